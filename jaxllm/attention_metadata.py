@@ -1,0 +1,60 @@
+"""What the engine tells the model about one step's flat batch of tokens: where each sequence's queries
+sit in the batch, how long its context is, where its KV pages are, and where the new KV goes.
+
+It is a pytree of arrays, passed explicitly into the jitted step; the model holds no request state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: jax.Array  # [T] int32: flat KV slot (page * page_size + offset) per token; -1 = padding
+    block_tables: jax.Array  # [S, max_pages_per_seq] int32: page ids of each sequence
+    kv_lens: jax.Array  # [S] int32: context length including this step's tokens; 0 = padding sequence
+    query_start_loc: jax.Array  # [S + 1] int32: sequence s owns tokens [qsl[s], qsl[s + 1])
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        page_size: int,
+        num_tokens: int | None = None,
+        num_seqs: int | None = None,
+        max_pages_per_seq: int | None = None,
+    ) -> AttentionMetadata:
+        """Builds padded metadata on the host for sequences whose last `query_lens[i]` tokens (of
+        `context_lens[i]` in all) are in this step. Padding to `num_tokens` / `num_seqs` keeps shapes fixed."""
+        n = len(query_lens)
+        num_tokens = num_tokens or sum(query_lens)
+        num_seqs = num_seqs or n
+        max_pages = max_pages_per_seq or max(len(b) for b in block_tables)
+        if sum(query_lens) > num_tokens or n > num_seqs:
+            raise ValueError(f"{sum(query_lens)} tokens / {n} sequences do not fit the shape "
+                             f"({num_tokens}, {num_seqs})")
+        slots = np.full(num_tokens, -1, np.int32)
+        tables = np.zeros((num_seqs, max_pages), np.int32)
+        kv_lens = np.zeros(num_seqs, np.int32)
+        qsl = np.zeros(num_seqs + 1, np.int32)
+        t = 0
+        for i, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
+            if len(table) * page_size < ctx:
+                raise ValueError(f"sequence {i}: {len(table)} pages cannot hold {ctx} tokens")
+            pos = np.arange(ctx - q, ctx)
+            slots[t:t + q] = np.asarray(table, np.int32)[pos // page_size] * page_size + pos % page_size
+            tables[i, :len(table)] = table
+            kv_lens[i] = ctx
+            t += q
+            qsl[i + 1] = t
+        qsl[n + 1:] = t
+        return cls(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(kv_lens), jnp.asarray(qsl))

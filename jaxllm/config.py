@@ -1,0 +1,138 @@
+"""Model configuration: one frozen dataclass for the whole Llama family.
+
+It is built from a Hugging Face ``config.json`` dict or from GGUF metadata, and validates itself so a bad
+checkpoint fails at load time with a message, not deep inside a jitted forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class ConfigError(ValueError):
+    """A model configuration that jaxllm cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+    # Per-frequency divisors stored by llama.cpp (`rope_freqs.weight`) in place of llama3 metadata.
+    freq_factors: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"unsupported rope_scaling type {self.rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.theta <= 0 or self.factor <= 0:
+            raise ConfigError(f"rope theta and factor must be positive, got {self.theta} and {self.factor}")
+        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+            raise ConfigError(f"rope type {self.rope_type!r} needs original_max_position_embeddings")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> RopeConfig:
+        """Reads both the legacy (`rope_theta` + `rope_scaling`) and the transformers v5 (`rope_parameters`)
+        spellings."""
+        params = dict(hf.get("rope_parameters") or {})
+        legacy = dict(hf.get("rope_scaling") or {})
+        params = {**legacy, **params}
+        theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in params.items() if k in names and v is not None}
+        return cls(theta=float(theta), rope_type=rope_type, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2, some Llamas)
+    o_bias: bool = False  # o_proj bias (Llama's attention_bias covers it, Qwen2's does not)
+    qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        from jaxllm.models.registry import architecture_spec
+
+        archs = hf.get("architectures") or []
+        if not archs:
+            raise ConfigError("config.json has no 'architectures' entry")
+        spec = architecture_spec(archs[0])
+        if hf.get("mlp_bias"):
+            raise ConfigError("mlp_bias=True is not supported")
+        try:
+            heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            eos = hf.get("eos_token_id")
+            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", spec.sliding_window_default) else None
+            return cls(
+                architecture=archs[0],
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                rope=RopeConfig.from_hf(hf),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", spec.tie_default)),
+                attention_bias=bool(hf.get("attention_bias", spec.attention_bias_default)),
+                o_bias=bool(hf.get("attention_bias", False)) and spec.o_bias_follows_attention_bias,
+                qk_norm=spec.qk_norm,
+                sliding_window=int(sliding) if sliding else None,
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None

@@ -1,0 +1,85 @@
+"""Loading a model and its tokenizer from a Hugging Face folder, a GGUF file, a jaxllm orbax checkpoint,
+or, with no path, the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from jaxllm.config import ModelConfig
+from jaxllm.dtypes import resolve_dtype
+from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
+from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
+from jaxllm.loading.errors import LoadError
+from jaxllm.loading.gguf import gguf_config, gguf_tensors
+from jaxllm.loading.gguf_file import GGUFFile
+from jaxllm.loading.hf import hf_tensors, load_hf_config
+from jaxllm.loading.weights import assemble_model
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.sharding import check_tensor_parallel, make_mesh
+from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+from jaxllm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
+from jaxllm.tokenizer.tokenizer import Tokenizer
+
+__all__ = ["LoadError", "LoadedModel", "load_model", "load_tokenizer"]
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer | None
+    config: ModelConfig
+    mesh: Mesh
+    name: str
+
+
+def _resolve(path: str | Path | None) -> Path:
+    if path is None:
+        return embedded_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise LoadError(f"{p}: no such file or folder")
+    return p
+
+
+def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
+    """The tokenizer of a GGUF file or HF folder (for an orbax checkpoint: of the folder it was saved beside,
+    if it has tokenizer files)."""
+    p = _resolve(path)
+    if p.is_file():
+        g = GGUFFile(p)
+        return tokenizer_from_gguf(g.metadata, str(p))
+    if (p / "tokenizer.json").is_file():
+        eos = load_checkpoint_config(p).eos_token_ids if is_orbax_checkpoint(p) else \
+            load_hf_config(p).eos_token_ids
+        return tokenizer_from_hf_folder(p, eos)
+    return None
+
+
+def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", tensor_parallel_size: int = 1,
+               attn_impl: str = "auto", mesh: Mesh | None = None, load_tokenizer_too: bool = True) -> LoadedModel:
+    p = _resolve(path)
+    dt = resolve_dtype(dtype)
+    mesh = mesh or make_mesh(tensor_parallel_size)
+    tp = mesh.shape["tp"]
+    tokenizer = None
+    if p.is_file():
+        g = GGUFFile(p)
+        cfg = gguf_config(g)
+        check_tensor_parallel(cfg, tp)
+        model = assemble_model(cfg, gguf_tensors(g, cfg), dtype=dt, attn_impl=attn_impl, mesh=mesh)
+        if load_tokenizer_too:
+            tokenizer = tokenizer_from_gguf(g.metadata, str(p))
+    elif is_orbax_checkpoint(p):
+        model = restore_checkpoint(p, dtype=dt, attn_impl=attn_impl, mesh=mesh)
+        cfg = model.config
+    else:
+        cfg = load_hf_config(p)
+        check_tensor_parallel(cfg, tp)
+        model = assemble_model(cfg, hf_tensors(p), dtype=dt, attn_impl=attn_impl, mesh=mesh)
+    if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
+        tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
+    name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name)

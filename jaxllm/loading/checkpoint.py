@@ -1,0 +1,59 @@
+"""Orbax save/restore of converted parameters, so a restart skips GGUF dequantization or safetensors
+conversion. A checkpoint folder holds ``params/`` (orbax) and ``jaxllm_config.json``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.loading.errors import LoadError
+from jaxllm.loading.weights import abstract_model
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.sharding import logical_rules, named_sharding
+
+CONFIG_FILE = "jaxllm_config.json"
+
+
+def is_orbax_checkpoint(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and (path / "params").is_dir()
+
+
+def save_checkpoint(model: LlamaForCausalLM, path: str | Path) -> None:
+    path = Path(path).absolute()
+    path.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path / "params", nnx.state(model, nnx.Param), force=True)
+    (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
+
+
+def load_checkpoint_config(path: Path) -> ModelConfig:
+    raw = json.loads((path / CONFIG_FILE).read_text())
+    raw["rope"] = RopeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw["rope"].items()})
+    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    return ModelConfig(**raw)
+
+
+def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -> LlamaForCausalLM:
+    path = Path(path).absolute()
+    if not is_orbax_checkpoint(path):
+        raise LoadError(f"{path}: not a jaxllm orbax checkpoint (no {CONFIG_FILE} and params/)")
+    cfg = load_checkpoint_config(path)
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
+    rules = logical_rules(cfg, mesh.shape["tp"])
+    target = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
+                                       sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    with ocp.StandardCheckpointer() as ckpt:
+        try:
+            restored = ckpt.restore(path / "params", target)
+        except Exception as e:
+            raise LoadError(f"{path}: cannot restore parameters ({e})") from None
+    return nnx.merge(graphdef, restored)

@@ -1,0 +1,111 @@
+"""GGUF checkpoints: model config from metadata, tensors renamed to Hugging Face names and dequantized."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+
+from jaxllm.config import ConfigError, ModelConfig, RopeConfig
+from jaxllm.loading.errors import LoadError
+from jaxllm.loading.gguf_file import GGUFFile
+from jaxllm.models.registry import GGUF_ARCHITECTURES, architecture_spec
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+    if m := re.fullmatch(r"(\w+)\.(weight|bias)", name):
+        return f"{_TOP_NAMES[m[1]]}.{m[2]}" if m[1] in _TOP_NAMES else None
+    return None
+
+
+def gguf_config(g: GGUFFile) -> ModelConfig:
+    meta = g.metadata
+    arch = meta.get("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise LoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: "
+                        f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
+    name = GGUF_ARCHITECTURES[arch]
+    spec = architecture_spec(name)
+
+    def get(key, default=None):
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise LoadError(f"{g.path}: metadata {arch}.{key} is missing")
+        return value
+
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    rope_kwargs: dict = {"theta": float(get("rope.freq_base", 10000.0))}
+    if scaling in ("linear", "yarn"):
+        rope_kwargs.update(rope_type=scaling, factor=float(get("rope.scaling.factor")))
+        if scaling == "yarn":
+            rope_kwargs["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+    elif scaling != "none":
+        raise LoadError(f"{g.path}: unsupported rope scaling type {scaling!r}")
+    if "rope_freqs.weight" in g.tensors:
+        rope_kwargs["freq_factors"] = tuple(float(x) for x in g.load("rope_freqs.weight"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    sliding = meta.get(f"{arch}.attention.sliding_window")
+    try:
+        return ModelConfig(
+            architecture=name,
+            vocab_size=int(vocab),
+            hidden_size=hidden,
+            intermediate_size=int(get("feed_forward_length")),
+            num_layers=int(get("block_count")),
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv", heads)),
+            head_dim=int(get("attention.key_length", hidden // heads)),
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            max_position_embeddings=int(get("context_length", 4096)),
+            rope=RopeConfig(**rope_kwargs),
+            tie_word_embeddings="output.weight" not in g.tensors,
+            attention_bias="blk.0.attn_q.bias" in g.tensors,
+            o_bias="blk.0.attn_output.bias" in g.tensors,
+            qk_norm=spec.qk_norm,
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=(int(eos),) if eos is not None else (),
+        )
+    except ConfigError as e:
+        raise LoadError(f"{g.path}: {e}") from None
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undoes llama.cpp's row order for interleaved RoPE, back to Hugging Face's rotate-half order."""
+    out = w.shape[0]
+    rest = w.shape[1:]
+    return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_tensors(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, object, str]]:
+    permuted = architecture_spec(cfg.architecture).permuted_qk_in_gguf
+    for name in g.tensors:
+        hf_name = gguf_to_hf_name(name)
+        if hf_name is None:
+            if name != "rope_freqs.weight":
+                raise LoadError(f"{g.path}: unexpected tensor {name!r}")
+            continue
+        module = ".".join(hf_name.split(".")[-3:-1])  # e.g. "self_attn.q_proj"
+        heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}.get(module) \
+            if permuted else None
+
+        def load(name=name, heads=heads):
+            w = g.load(name)
+            return _unpermute(w, heads) if heads else w
+
+        yield hf_name, load, str(g.path)

@@ -1,0 +1,63 @@
+"""Hugging Face checkpoint folders: config.json plus one or many ``*.safetensors`` files (with an index)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+from safetensors import safe_open
+
+from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.loading.errors import LoadError
+from jaxllm.models.registry import UnsupportedArchitectureError
+
+
+def load_hf_config(folder: Path) -> ModelConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise LoadError(f"{folder}: not a Hugging Face checkpoint folder (no config.json)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise LoadError(f"{path}: invalid JSON ({e})") from None
+    try:
+        return ModelConfig.from_hf(raw)
+    except (ConfigError, UnsupportedArchitectureError) as e:
+        raise LoadError(f"{path}: {e}") from None
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise LoadError(f"{index}: not a safetensors index ({e})") from None
+        files = [folder / f for f in dict.fromkeys(weight_map.values())]
+        for f in files:
+            if not f.is_file():
+                raise LoadError(f"{index}: lists {f.name}, which is missing")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise LoadError(f"{folder}: no *.safetensors files")
+    return files
+
+
+def hf_tensors(folder: Path) -> Iterator[tuple[str, object, str]]:
+    """Yields (name, load() -> numpy array, file) for every tensor, reading one at a time."""
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                for name in f.keys():
+                    def load(f=f, name=name, file=file):
+                        try:
+                            return f.get_tensor(name)
+                        except Exception as e:  # safetensors raises its own error types
+                            raise LoadError(f"{file}: cannot read tensor {name!r} ({e})") from None
+                    yield name, load, str(file)
+        except LoadError:
+            raise
+        except Exception as e:
+            raise LoadError(f"{file}: not a valid safetensors file ({e})") from None

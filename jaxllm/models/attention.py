@@ -1,0 +1,96 @@
+"""Self-attention of the Llama family, with two entry points:
+
+- `dense`: plain causal attention over a ``[batch, seq]`` input, no cache (research / parity use);
+- `paged`: a flat batch of ``T`` tokens whose K/V are written into the paged cache and whose attention
+  runs through the ragged paged attention implementation chosen by ``attn_impl``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.models.layers import Linear, RMSNorm
+from jaxllm.models.rope import apply_rope
+from pallas_kernels.kv_cache import write_kv
+
+ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def select_paged_attention(impl: str) -> Callable:
+    """The ragged paged attention function for `impl` ("auto" picks by the default backend)."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
+    if impl == "auto":
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+    if impl == "pallas_tpu":
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
+    elif impl == "pallas_gpu":
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
+    else:
+        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+    return ragged_paged_attention
+
+
+def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None):
+    """q [B, S, H, D]; k, v [B, S, KVH, D]; valid [B, S] (False = padding); positions [B, S]."""
+    b, s, h, d = q.shape
+    kvh = k.shape[2]
+    qg = q.astype(jnp.float32).reshape(b, s, kvh, h // kvh, d) * sm_scale
+    scores = jnp.einsum("bqkgd,bckd->bkgqc", qg, k.astype(jnp.float32))  # [B, KVH, G, S, S]
+    mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
+    if sliding_window is not None:
+        mask &= positions[:, None, :] > positions[:, :, None] - sliding_window
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows of padding tokens are all -inf: NaN otherwise
+    out = jnp.einsum("bkgqc,bckd->bqkgd", probs, v.astype(jnp.float32))
+    return out.reshape(b, s, h, d).astype(q.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        e, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.sliding_window = cfg.sliding_window
+        self.q_proj = Linear(e, cfg.num_heads * d, ("embed", "q_heads"), bias=cfg.attention_bias, dtype=dtype,
+                             rngs=rngs)
+        self.k_proj = Linear(e, cfg.num_kv_heads * d, ("embed", "kv_heads"), bias=cfg.attention_bias,
+                             dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(e, cfg.num_kv_heads * d, ("embed", "kv_heads"), bias=cfg.attention_bias,
+                             dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def _qkv(self, x, cos, sin):
+        lead = x.shape[:-1]
+        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def dense(self, x, cos, sin, *, valid, positions):
+        """x [B, S, E] -> [B, S, E]."""
+        q, k, v = self._qkv(x, cos, sin)
+        out = dense_causal_attention(q, k, v, valid=valid, positions=positions, sm_scale=self.head_dim ** -0.5,
+                                     sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(*x.shape[:-1], -1))
+
+    def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable):
+        """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv)."""
+        q, k, v = self._qkv(x, cos, sin)
+        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
+        out = attn_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.query_start_loc,
+                      sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
+        return self.o_proj(out.reshape(x.shape[0], -1)), (k_cache, v_cache)

@@ -1,0 +1,97 @@
+"""The shared decoder of the Llama family (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3).
+
+The model is a pure function of its parameters and explicit inputs. Two ways to call it:
+
+- ``model(input_ids [B, S], positions=None, attention_mask=None) -> logits [B, S, V]``: no cache, plain
+  causal attention; what a notebook uses after editing a module.
+- ``model.forward_paged(input_ids [T], positions [T], kv_caches, metadata) -> (hidden [T, E], kv_caches)``
+  followed by ``model.logits(hidden[rows])``: the engine path through the paged KV cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.models.attention import Attention, select_paged_attention
+from jaxllm.models.layers import Embed, Linear, RMSNorm
+from jaxllm.models.rope import rope_cos_sin, rope_frequencies
+
+KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [kv_heads, num_pages, page_size, head_dim] x 2
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        e, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(e, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(e, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x, attend):
+        h, extra = attend(self.self_attn, self.input_layernorm(x))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), extra
+
+
+class LlamaForCausalLM(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto",
+                 rngs: nnx.Rngs | None = None):
+        rngs = rngs or nnx.Rngs(0)
+        self.config = cfg
+        self.dtype = dtype
+        self.attn_impl = attn_impl
+        select_paged_attention(attn_impl)  # fail early on a bad name
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+
+    def _rope(self, positions: jax.Array):
+        # Frequencies are trace-time numpy constants, not parameters.
+        inv_freq, attention_factor = rope_frequencies(self.config.rope, self.config.head_dim)
+        return rope_cos_sin(positions, inv_freq, attention_factor)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [..., E] -> float32 logits [..., V]."""
+        out = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        return out.astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
+                 attention_mask: jax.Array | None = None) -> jax.Array:
+        """input_ids [B, S]; positions [B, S] (default 0..S-1); attention_mask [B, S] (1 = real token)."""
+        b, s = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
+        cos, sin = self._rope(positions)
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x, _ = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=positions), None))
+        return self.logits(self.norm(x))
+
+    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
+                      metadata: AttentionMetadata) -> tuple[jax.Array, KVCache]:
+        """input_ids, positions [T] -> final hidden states [T, E] and the updated caches."""
+        attn_fn = select_paged_attention(self.attn_impl)
+        cos, sin = self._rope(positions)
+        x = self.embed_tokens(input_ids)
+        new_caches = []
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            x, kv = layer(x, lambda attn, h, kv=kv: attn.paged(h, cos, sin, kv, metadata, attn_fn))
+            new_caches.append(kv)
+        return self.norm(x), new_caches

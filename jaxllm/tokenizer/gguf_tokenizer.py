@@ -1,0 +1,61 @@
+"""Rebuilds a byte-level BPE tokenizer from GGUF metadata with the `tokenizers` library, following
+llama.cpp's pre-tokenizer rules for the ``tokenizer.ggml.pre`` name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from jaxllm.loading.errors import LoadError
+from jaxllm.tokenizer.tokenizer import Tokenizer
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default", "gpt-2"):
+        return byte_level
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split is None:
+        return None
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    pre_tok = _pre_tokenizer(pre)
+    if pre_tok is None:
+        raise LoadError(f"{source}: pre-tokenizer {pre!r} is not supported")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types = np.asarray(meta.get("tokenizer.ggml.token_type", np.ones(len(tokens))))
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, ignore_merges=False))
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)])
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)])
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False):
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
+    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=(eos,) if eos is not None else (),
+                     chat_template=meta.get("tokenizer.chat_template"))

@@ -1,0 +1,43 @@
+"""One tokenizer interface over a `tokenizers.Tokenizer`, whether it came from a Hugging Face folder or was
+rebuilt from GGUF metadata, plus the model's chat template and special tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import tokenizers
+
+from jaxllm.tokenizer.chat_template import ChatTemplate
+
+
+class Tokenizer:
+    def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
+                 chat_template: str | None):
+        self.backend = tok
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        bos = tok.id_to_token(bos_token_id) if bos_token_id is not None else ""
+        eos = tok.id_to_token(eos_token_ids[0]) if eos_token_ids else ""
+        self.chat_template = ChatTemplate(chat_template, bos_token=bos or "", eos_token=eos or "") \
+            if chat_template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; use a plain prompt")
+        text = self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        # The template writes the special tokens itself.
+        return self.encode(text, add_special_tokens=False) if tokenize else text

@@ -1,0 +1,39 @@
+"""The paged KV cache and the scatter of new tokens into it.
+
+Layout, per layer, for K and for V: ``[kv_heads, num_pages, page_size, head_dim]``.
+- TPU: the last two dims are the (sublane, lane) tile, so one page of one head is a dense, tiled block a
+  kernel can DMA into VMEM whole; head_dim (64/128) fills the 128 lanes.
+- GPU: a page of one head is ``page_size * head_dim`` contiguous elements, so a program reading it issues
+  fully coalesced loads.
+- Tensor parallelism shards kv_heads, the leading dim, so each device's shard is one contiguous slab.
+- The jnp reference gathers ``cache[:, pages]`` per step: whole contiguous pages per head.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+                      dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    shape = (num_kv_heads, num_pages, page_size, head_dim)  # [kv_heads, num_pages, page_size, head_dim]
+    make = (lambda: jnp.zeros(shape, dtype)) if sharding is None else jax.jit(
+        lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    return [(make(), make()) for _ in range(num_layers)]
+
+
+def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """k_cache/v_cache [kv_heads, num_pages, page_size, head_dim]; k/v [T, kv_heads, head_dim];
+    slot_mapping [T] (negative = padding token, dropped)."""
+    kvh, pages, page_size, d = k_cache.shape
+    num_slots = pages * page_size
+    slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)  # out of range -> dropped by the scatter
+
+    def scatter(cache, new):
+        flat = cache.reshape(kvh, num_slots, d)
+        flat = flat.at[:, slots].set(new.swapaxes(0, 1).astype(cache.dtype), mode="drop")
+        return flat.reshape(cache.shape)
+
+    return scatter(k_cache, k), scatter(v_cache, v)
