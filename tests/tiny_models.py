@@ -1,0 +1,42 @@
+"""Tiny random Hugging Face models of every supported architecture, built locally with transformers+torch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+COMMON = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+ARCHITECTURE_CASES = {
+    "llama": ("LlamaConfig", dict(rope_theta=10000.0)),
+    "llama_tied_smollm": ("LlamaConfig", dict(tie_word_embeddings=True, rope_theta=100000.0)),
+    "llama3_rope": ("LlamaConfig", dict(rope_theta=500000.0, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama_linear_rope": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama_yarn_rope": ("LlamaConfig", dict(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("MistralConfig", dict(sliding_window=6, head_dim=16)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
+    "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=False)),
+}
+
+
+def build_tiny_hf_model(case: str, folder: Path):
+    """Saves the model as safetensors (split into two shards with an index) and returns (folder, hf_model)."""
+    import torch
+    import transformers
+
+    config_cls, extra = ARCHITECTURE_CASES[case]
+    torch.manual_seed(sum(map(ord, case)))
+    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # the default 0.02 init gives near-uniform logits; make them discriminative
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    model.save_pretrained(folder, max_shard_size="200KB")
+    return folder, model
