@@ -135,4 +135,4 @@ class ModelConfig:
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             )
         except KeyError as e:
-            raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+            raise ConfigError(f"missing the field {e.args[0]!r}") from None

@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from tests.tiny_models import ARCHITECTURE_CASES, build_tiny_hf_model  # noqa: E402
+from tests.tiny_models import build_tiny_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -31,5 +31,3 @@ def smollm2_path():
 
     return embedded_model_path()
 
-
-__all__ = ["ARCHITECTURE_CASES"]

@@ -19,7 +19,10 @@ ARCHITECTURE_CASES = {
     "mistral": ("MistralConfig", dict(sliding_window=6, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=False)),
+    # 8 heads / 4 KV heads: tensor parallel 2 and 4 divide both.
+    "qwen2_tp": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }
+PARITY_CASES = [c for c in ARCHITECTURE_CASES if c != "qwen2_tp"]
 
 
 def build_tiny_hf_model(case: str, folder: Path):
@@ -29,7 +32,7 @@ def build_tiny_hf_model(case: str, folder: Path):
 
     config_cls, extra = ARCHITECTURE_CASES[case]
     torch.manual_seed(sum(map(ord, case)))
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # the default 0.02 init gives near-uniform logits; make them discriminative
         for p in model.parameters():

@@ -17,6 +17,7 @@ from jaxllm.loading.errors import LoadError
 from jaxllm.loading.weights import abstract_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import logical_rules, named_sharding
+from jaxllm.tokenizer.tokenizer import Tokenizer
 
 CONFIG_FILE = "jaxllm_config.json"
 
@@ -25,12 +26,20 @@ def is_orbax_checkpoint(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / "params").is_dir()
 
 
-def save_checkpoint(model: LlamaForCausalLM, path: str | Path) -> None:
+def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokenizer | None = None) -> None:
+    """Saves the parameters, the config and (if given) the tokenizer in Hugging Face's file layout."""
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", nnx.state(model, nnx.Param), force=True)
+        ckpt.save(path / "params", nnx.state(model, nnx.Param).to_pure_dict(), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
+    if tokenizer is not None:
+        tokenizer.backend.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": tokenizer.id_to_token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
+            "eos_token": tokenizer.id_to_token(tokenizer.eos_token_ids[0]) if tokenizer.eos_token_ids else None,
+            "chat_template": tokenizer.chat_template.source if tokenizer.chat_template else None,
+        }, indent=1))
 
 
 def load_checkpoint_config(path: Path) -> ModelConfig:
@@ -50,10 +59,11 @@ def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -
     target = jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
     with ocp.StandardCheckpointer() as ckpt:
         try:
             restored = ckpt.restore(path / "params", target)
         except Exception as e:
             raise LoadError(f"{path}: cannot restore parameters ({e})") from None
-    return nnx.merge(graphdef, restored)
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)

@@ -44,7 +44,7 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], bool] | None:
 
 
 def abstract_model(cfg: ModelConfig, dtype, attn_impl: str) -> LlamaForCausalLM:
-    return nnx.eval_shape(lambda: LlamaForCausalLM(cfg, dtype=dtype, attn_impl=attn_impl))
+    return LlamaForCausalLM(cfg, dtype=dtype, attn_impl=attn_impl, rngs=None)
 
 
 def place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:

@@ -66,8 +66,8 @@ class Attention(nnx.Module):
                              dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         else:
             self.q_norm = self.k_norm = None
 

@@ -8,13 +8,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | None):
+    """Random normal (std) or zeros (std None); with no rngs, only the shape: a loader fills it in."""
+    if rngs is None:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    if std is None:
+        return jnp.zeros(shape, dtype)
+    return jax.random.normal(rngs.params(), shape, dtype) * std
+
+
 class Linear(nnx.Module):
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
-                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs):
-        std = in_features ** -0.5
-        self.kernel = nnx.Param(  # [in, out]
-            jax.random.normal(rngs.params(), (in_features, out_features), dtype) * std, axes=axes)
-        self.bias = nnx.Param(jnp.zeros((out_features,), dtype), axes=(axes[1],)) if bias else None
+                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None):
+        self.kernel = nnx.Param(_init(rngs, (in_features, out_features), dtype, in_features ** -0.5),  # [in, out]
+                                axes=axes)
+        self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = x @ self.kernel[...]
@@ -22,8 +30,9 @@ class Linear(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, axis_name: str | None = None):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype), axes=(axis_name,))
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
+        weight = jnp.ones((dim,), dtype) if rngs is not None else jax.ShapeDtypeStruct((dim,), dtype)
+        self.weight = nnx.Param(weight, axes=(None,))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -33,9 +42,8 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs):
-        self.embedding = nnx.Param(  # [vocab, embed]
-            jax.random.normal(rngs.params(), (vocab, dim), dtype) * 0.02, axes=("vocab", "embed"))
+    def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
+        self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype, 0.02), axes=("vocab", "embed"))  # [vocab, embed]
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)

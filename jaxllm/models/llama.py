@@ -36,9 +36,9 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, attend):
@@ -50,14 +50,14 @@ class DecoderLayer(nnx.Module):
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto",
                  rngs: nnx.Rngs | None = None):
-        rngs = rngs or nnx.Rngs(0)
+        """rngs: random initialisation; None builds shapes only, for a loader to fill in."""
         self.config = cfg
         self.dtype = dtype
         self.attn_impl = attn_impl
         select_paged_attention(attn_impl)  # fail early on a bad name
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
 

@@ -62,7 +62,7 @@ def ragged_paged_attention(
     num_blocks = (jnp.max(kv_lens) + block - 1) // block
 
     def body(j, carry):
-        m, l, acc = carry
+        m, denom, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(tok_tables, j * kv_block_pages, kv_block_pages, axis=1)
         first_pos = j * block + jnp.arange(kv_block_pages) * page_size  # [pages]
         needed = first_pos[None, :] < tok_kv_len[:, None]  # [T, pages]: never touch pages past the context
@@ -82,12 +82,12 @@ def ragged_paged_attention(
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[..., None]) * mask[:, None, None, :]
         alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(-1)
+        denom = denom * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + jnp.einsum("tkgc,ktcd->tkgd", p, v)
-        return m_new, l, acc
+        return m_new, denom, acc
 
     init = (jnp.full((t, kvh, g), MASK_VALUE, jnp.float32), jnp.zeros((t, kvh, g), jnp.float32),
             jnp.zeros((t, kvh, g, d), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    _, denom, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out.reshape(t, h, d).astype(q.dtype)

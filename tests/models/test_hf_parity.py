@@ -6,7 +6,7 @@ import pytest
 
 from jaxllm.loading import load_model
 from jaxllm.paged_runner import PagedRunner
-from tests.tiny_models import ARCHITECTURE_CASES
+from tests.tiny_models import PARITY_CASES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 LENGTHS = [11, 5, 16]  # different lengths in one batch; 16 > mistral's sliding window of 6
@@ -31,7 +31,7 @@ def _sequences(vocab):
     return [rng.integers(0, vocab, n).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURE_CASES))
+@pytest.mark.parametrize("case", PARITY_CASES)
 def test_dense_forward_matches_transformers(case, tiny_model_dir):
     import jax.numpy as jnp
 
@@ -50,7 +50,7 @@ def test_dense_forward_matches_transformers(case, tiny_model_dir):
     assert np.abs(expected[0]).max() > 0.1  # the comparison is not between near-zero logits
 
 
-@pytest.mark.parametrize("case", sorted(ARCHITECTURE_CASES))
+@pytest.mark.parametrize("case", PARITY_CASES)
 def test_paged_prefill_then_decode_matches_transformers(case, tiny_model_dir):
     folder, hf_model = tiny_model_dir(case)
     lm = load_model(folder, dtype="float32", attn_impl="reference")

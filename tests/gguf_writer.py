@@ -1,0 +1,63 @@
+"""Writes tiny GGUF files the way llama.cpp's converter does (q/k rows permuted for the llama arch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors: dict | None = None) -> Path:
+    cfg = hf_model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<tok{i}>" for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    w.add_eos_token_id(2)
+    for name, tensor in hf_model.state_dict().items():
+        a = tensor.numpy().astype(np.float32)
+        parts = name.split(".")
+        if parts[1] == "layers":
+            module = ".".join(parts[3:-1])
+            if module == "self_attn.q_proj":
+                a = permute(a, cfg.num_attention_heads)
+            elif module == "self_attn.k_proj":
+                a = permute(a, cfg.num_key_value_heads)
+            gname = f"blk.{parts[2]}.{HF_TO_GGUF[module]}.{parts[-1]}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if a.ndim == 2 and weight_type != T.F32:
+            w.add_tensor(gname, quants.quantize(a, weight_type), raw_dtype=weight_type)
+        else:
+            w.add_tensor(gname, a)
+    for gname, (raw, qtype) in (extra_tensors or {}).items():
+        w.add_tensor(gname, raw, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

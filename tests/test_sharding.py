@@ -1,0 +1,42 @@
+"""Tensor parallelism over 4 host CPU devices gives the same logits as one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.config import ConfigError
+from jaxllm.loading import load_model
+from jaxllm.paged_runner import PagedRunner
+from jaxllm.sharding import make_mesh
+
+
+def _logits(lm, ids):
+    dense = np.asarray(lm.model(jnp.asarray(ids)))
+    runner = PagedRunner(lm.model, num_pages=8, page_size=4, mesh=lm.mesh)
+    paged = runner.step({0: ids[0].tolist(), 1: ids[1].tolist()}, all_logits=True)
+    return dense, np.stack([paged[0], paged[1]])
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_single_device(tp, tiny_model_dir):
+    folder, _ = tiny_model_dir("qwen2_tp")
+    ids = np.random.default_rng(1).integers(0, 1024, (2, 9))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)
+    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp)
+    q_kernel = lm.model.layers[0].self_attn.q_proj.kernel[...]
+    assert len(q_kernel.sharding.device_set) == tp  # really sharded
+    assert q_kernel.addressable_shards[0].data.shape == (64, 8 * 8 // tp)
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_tensor_parallel_must_divide_heads(smollm2_path):
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 must divide num_attention_heads=9"):
+        load_model(smollm2_path, tensor_parallel_size=2)
+
+
+def test_mesh_larger_than_device_count():
+    with pytest.raises(ConfigError, match="needs that many devices"):
+        make_mesh(len(jax.devices()) + 1)
