@@ -31,7 +31,7 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", nnx.state(model, nnx.Param).to_pure_dict(), force=True)
+        ckpt.save(path / "params", nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
     if tokenizer is not None:
         tokenizer.backend.save(str(path / "tokenizer.json"))
@@ -56,10 +56,10 @@ def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -
     cfg = load_checkpoint_config(path)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
     rules = logical_rules(cfg, mesh.shape["tp"])
-    target = jax.tree.map(
+    target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),
-        state, is_leaf=lambda x: isinstance(x, nnx.Variable)).to_pure_dict()
+        state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
     with ocp.StandardCheckpointer() as ckpt:
         try:
             restored = ckpt.restore(path / "params", target)
