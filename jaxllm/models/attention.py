@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -26,15 +27,19 @@ def select_paged_attention(impl: str) -> Callable:
     """The ragged paged attention function for `impl` ("auto" picks by the default backend)."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
+    backend = jax.default_backend()
     if impl == "auto":
-        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+    if impl == "reference":
+        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+        return ragged_paged_attention
     if impl == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
-    elif impl == "pallas_gpu":
-        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
     else:
-        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-    return ragged_paged_attention
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
+    # Away from its hardware a kernel runs in Pallas' interpreter (how the CPU test suite runs them).
+    native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[impl]
+    return functools.partial(ragged_paged_attention, interpret=backend != native)
 
 
 def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None):

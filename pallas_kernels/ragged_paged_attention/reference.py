@@ -66,7 +66,7 @@ def ragged_paged_attention(
         pages = jax.lax.dynamic_slice_in_dim(tok_tables, j * kv_block_pages, kv_block_pages, axis=1)
         first_pos = j * block + jnp.arange(kv_block_pages) * page_size  # [pages]
         needed = first_pos[None, :] < tok_kv_len[:, None]  # [T, pages]: never touch pages past the context
-        pages = jnp.where(needed, pages, -1)
+        pages = jnp.where(needed, pages, k_cache.shape[1])  # out of range -> filled with zeros, not read
         k = jnp.take(k_cache, pages, axis=1, mode="fill", fill_value=0)  # [kv_heads, T, pages, page_size, D]
         v = jnp.take(v_cache, pages, axis=1, mode="fill", fill_value=0)
         k = k.reshape(kvh, t, block, d).astype(jnp.float32)

@@ -50,13 +50,15 @@ def test_dense_forward_matches_transformers(case, tiny_model_dir):
     assert np.abs(expected[0]).max() > 0.1  # the comparison is not between near-zero logits
 
 
-@pytest.mark.parametrize("case", PARITY_CASES)
-def test_paged_prefill_then_decode_matches_transformers(case, tiny_model_dir):
+@pytest.mark.parametrize(("case", "attn_impl", "page_size"),
+                         [(c, "reference", 4) for c in PARITY_CASES] +
+                         [("mistral", "pallas_tpu", 8), ("qwen2", "pallas_gpu", 16)])
+def test_paged_prefill_then_decode_matches_transformers(case, attn_impl, page_size, tiny_model_dir):
     folder, hf_model = tiny_model_dir(case)
-    lm = load_model(folder, dtype="float32", attn_impl="reference")
+    lm = load_model(folder, dtype="float32", attn_impl=attn_impl)
     seqs = _sequences(lm.config.vocab_size)
     expected = _hf_logits(hf_model, seqs)
-    runner = PagedRunner(lm.model, num_pages=16, page_size=4)
+    runner = PagedRunner(lm.model, num_pages=16, page_size=page_size)
     got: dict[int, list] = {i: [] for i in range(len(seqs))}
     prompt = {i: s[: len(s) // 2 + 1] for i, s in enumerate(seqs)}
     # Prefill in chunks of 3 tokens, all sequences in one ragged batch per step.
