@@ -1,0 +1,81 @@
+"""Times the jnp reference ragged paged attention (the CPU fast path) and reports the achieved KV-read
+bandwidth against this machine's measured memory bandwidth.
+
+    python benchmarks/attention.py [--rounds 5]
+
+Shapes follow SmolLM2 (9 q heads, 3 KV heads, head_dim 64, float32), page size 16, one layer.
+- decode: 64 sequences x 1024 tokens of context, one query token each;
+- mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.attention_metadata import AttentionMetadata
+from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
+
+
+def memory_bandwidth_gbs(rounds: int) -> float:
+    """Read+write bandwidth of a 512 MiB copy (the same measure as ../shared/peers)."""
+    src = np.ones(512 * 2**20 // 8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.nbytes / statistics.median(times) / 1e9
+
+
+def bench(name: str, seqs: list[tuple[int, int]], rounds: int) -> None:
+    rng = np.random.default_rng(0)
+    pages = [-(-ctx // PAGE) for _, ctx in seqs]
+    perm = rng.permutation(sum(pages))
+    tables, at = [], 0
+    for n in pages:
+        tables.append(perm[at:at + n].tolist())
+        at += n
+    meta = AttentionMetadata.build(query_lens=[q for q, _ in seqs], context_lens=[c for _, c in seqs],
+                                   block_tables=tables, page_size=PAGE)
+    t = sum(q for q, _ in seqs)
+    q = jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
+    fn = jax.jit(lambda q, k, v, m: ragged_paged_attention(q, k, v, m.kv_lens, m.block_tables, m.query_start_loc,
+                                                           sm_scale=HEAD_DIM ** -0.5))
+    fn(q, k, v, meta).block_until_ready()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn(q, k, v, meta).block_until_ready()
+        times.append(time.perf_counter() - start)
+    sec = statistics.median(times)
+    kv_bytes = 2 * sum(ctx for _, ctx in seqs) * KV_HEADS * HEAD_DIM * 4  # each sequence's K and V, once
+    print(f"{name:7s} {t:5d} tokens, {len(seqs):3d} seqs: {sec * 1e3:7.2f} ms, "
+          f"KV read {kv_bytes / 1e6:6.1f} MB -> {kv_bytes / sec / 1e9:5.2f} GB/s")
+    return kv_bytes / sec / 1e9
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    bw = memory_bandwidth_gbs(args.rounds)
+    print(f"memory bandwidth (512 MiB copy, read+write): {bw:.1f} GB/s; backend {jax.default_backend()}, "
+          f"{jax.device_count()} device(s)")
+    decode = bench("decode", [(1, 1024)] * 64, args.rounds)
+    mixed = bench("mixed", [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds)
+    print(f"decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy bandwidth")
+
+
+if __name__ == "__main__":
+    main()
