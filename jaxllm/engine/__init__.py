@@ -1,0 +1,1 @@
+"""The serving engine: requests, block manager, scheduler, model runner, sampler, engine loop."""

@@ -1,0 +1,107 @@
+"""KV-cache pages: a free list, reference counts, and automatic prefix caching.
+
+Every full page of a sequence gets a chained hash (the previous page's hash and this page's token ids), so a
+hash names a whole prefix. A new sequence reuses the cached pages of its longest cached prefix of full pages
+instead of recomputing them. Freed pages keep their contents and hash and go to the back of the free list
+(least recently used first out): they are reused as cache hits until someone needs the page for new content.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from jaxllm.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True):
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_pages
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # LRU order
+        self.hash_of_page: dict[int, int] = {}
+        self.page_of_hash: dict[int, int] = {}
+        self.prefix_hits = 0  # tokens served from the cache, for metrics and tests
+        self.prefix_queries = 0
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free) / self.num_pages
+
+    def pages_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # -- prefix cache
+    def _page_hash(self, prev: int | None, tokens: list[int]) -> int:
+        return hash((prev, tuple(tokens)))
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """Pages holding the longest cached prefix of full pages, leaving at least one token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        pages, prev = [], None
+        max_pages = (seq.num_tokens - 1) // self.page_size
+        for i in range(max_pages):
+            h = self._page_hash(prev, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            page = self.page_of_hash.get(h)
+            if page is None:
+                break
+            pages.append(page)
+            prev = h
+        return pages
+
+    def allocate_prefix(self, seq: Sequence, pages: list[int]) -> None:
+        for page in pages:
+            self._take(page)
+        seq.block_table = list(pages)
+        seq.page_hashes = [self.hash_of_page[p] for p in pages]
+        seq.num_computed_tokens = seq.num_cached_tokens = len(pages) * self.page_size
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += seq.num_cached_tokens
+
+    def _take(self, page: int) -> None:
+        if self.ref_counts[page] == 0:
+            del self.free[page]
+        self.ref_counts[page] += 1
+
+    # -- growth and release
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.pages_needed(num_tokens) - len(seq.block_table) <= len(self.free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        """Makes seq's block table hold num_tokens tokens (the caller checked can_grow)."""
+        for _ in range(self.pages_needed(num_tokens) - len(seq.block_table)):
+            page, _ = self.free.popitem(last=False)
+            old = self.hash_of_page.pop(page, None)
+            if old is not None and self.page_of_hash.get(old) == page:
+                del self.page_of_hash[old]
+            self.ref_counts[page] = 1
+            seq.block_table.append(page)
+
+    def cache_full_pages(self, seq: Sequence) -> None:
+        """Registers the hashes of seq's pages that became full of computed tokens."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.page_size
+        for i in range(len(seq.page_hashes), full):
+            prev = seq.page_hashes[-1] if seq.page_hashes else None
+            h = self._page_hash(prev, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            seq.page_hashes.append(h)
+            page = seq.block_table[i]
+            if h not in self.page_of_hash:
+                self.page_of_hash[h] = page
+                self.hash_of_page[page] = h
+
+    def release(self, seq: Sequence) -> None:
+        # Later pages first: the end of a prefix is the least likely to be reused, so it goes out first.
+        for page in reversed(seq.block_table):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free[page] = None
+        seq.block_table = []
+        seq.page_hashes = []

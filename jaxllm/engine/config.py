@@ -1,0 +1,81 @@
+"""Engine configuration: a frozen dataclass that validates itself, loadable from a TOML preset in
+`configs/` and overridable by keyword (CLI flags, environment variables)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from jaxllm.config import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, GGUF file, orbax checkpoint; None: the embedded SmolLM2
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    tensor_parallel_size: int = 1
+    attn_impl: str = "auto"
+    # KV cache
+    page_size: int = 16
+    num_pages: int | None = None  # explicit page count; else sized from kv_memory_fraction
+    kv_memory_fraction: float = 0.2  # of free host RAM (CPU) or of device memory left after weights
+    max_model_len: int | None = None  # default: the model's context length, capped by the KV cache
+    # Scheduling
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget of one step
+    token_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_batched_tokens
+    enable_prefix_caching: bool = True
+    max_waiting_requests: int = 1024
+    # Compilation
+    compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.token_buckets is not None:
+            object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
+        checks = [
+            (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size must be a power of two"),
+            (self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2"),
+            (0 < self.kv_memory_fraction < 1, "kv_memory_fraction must be in (0, 1)"),
+            (self.max_model_len is None or self.max_model_len >= 2, "max_model_len must be >= 2"),
+            (self.max_num_seqs >= 1, "max_num_seqs must be >= 1"),
+            (self.max_num_batched_tokens >= self.max_num_seqs,
+             "max_num_batched_tokens must be >= max_num_seqs (every running sequence decodes each step)"),
+            (self.token_buckets is None or self.token_buckets[-1] >= self.max_num_batched_tokens,
+             "the largest token bucket must hold max_num_batched_tokens"),
+            (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(f"engine config: {message}")
+
+    def buckets(self) -> list[tuple[int, int]]:
+        """(tokens, sequences) shapes compiled at start-up: every step is padded up to one of them."""
+        tokens = self.token_buckets or tuple(
+            1 << i for i in range(self.max_num_batched_tokens.bit_length())
+            if 1 << i < self.max_num_batched_tokens) + (self.max_num_batched_tokens,)
+        return [(t, min(t, self.max_num_seqs)) for t in tokens]
+
+    @classmethod
+    def from_preset(cls, name_or_path: str, **overrides: Any) -> EngineConfig:
+        """A preset from configs/ (by name, e.g. "smollm2-cpu") or a TOML file path, then overrides."""
+        path = Path(name_or_path)
+        if not path.is_file():
+            path = CONFIG_DIR / f"{name_or_path}.toml"
+        if not path.is_file():
+            names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+            raise ConfigError(f"no engine preset {name_or_path!r}; presets: {', '.join(names)}")
+        raw = tomllib.loads(path.read_text()).get("engine", {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(raw) - fields
+        if unknown:
+            raise ConfigError(f"{path}: unknown engine options {sorted(unknown)}")
+        if "token_buckets" in raw:
+            raw["token_buckets"] = tuple(raw["token_buckets"])
+        return cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})

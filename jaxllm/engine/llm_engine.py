@@ -1,0 +1,232 @@
+"""The engine core: owns the model runner, the KV cache, the block manager and the scheduler, and turns
+scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` runs it in a thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+
+import jax
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.model_runner import ModelRunner, StepResult
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
+from jaxllm.loading import LoadedModel, load_model
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sharding import make_mesh
+from jaxllm.tokenizer.tokenizer import Tokenizer
+
+logger = logging.getLogger("jaxllm.engine")
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache, for every compile (by default it skips ones under a second)."""
+    if not path:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def _free_memory_bytes() -> int:
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    stats = device.memory_stats() or {}
+    return int(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, model: LlamaForCausalLM | None = None,
+                 tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
+        self.config = config = config or EngineConfig()
+        enable_compilation_cache(config.compilation_cache_dir)
+        if model is None and loaded is None:
+            loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                                attn_impl=config.attn_impl)
+        if loaded is not None:
+            model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
+        else:
+            mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
+        self.model, self.tokenizer = model, tokenizer
+        self.model_name = config.served_model_name or name
+        cfg = model.config
+        self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
+        num_pages, self.max_model_len = self._size_kv_cache(model)
+        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
+                                  max_model_len=self.max_model_len, buckets=config.buckets(),
+                                  eos_token_ids=self.eos_token_ids, mesh=mesh)
+        self.requests: dict[str, Request] = {}
+        self._rng = random.Random(config.seed)
+        # Counters for metrics.
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.on_request_finished: Callable[[Request], None] | None = None
+        if warmup:
+            start = time.perf_counter()
+            self.runner.warmup()
+            logger.info("compiled %d buckets in %.1f s", len(self.runner.buckets), time.perf_counter() - start)
+
+    def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
+        c, cfg = self.config, model.config
+        page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * model.dtype(0).itemsize
+        num_pages = c.num_pages or max(2, int(_free_memory_bytes() * c.kv_memory_fraction) // page_bytes)
+        max_len = min(c.max_model_len or cfg.max_position_embeddings, num_pages * c.page_size)
+        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "
+                    "maximum concurrency at max_model_len: %.1f", num_pages, c.page_size, num_pages * c.page_size,
+                    num_pages * page_bytes / 2**30, max_len, num_pages * c.page_size / max_len)
+        return num_pages, max_len
+
+    # -- requests
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None) -> Request:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, ids = None, [int(i) for i in prompt]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= i < self.model.config.vocab_size for i in ids):
+            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                                     f"{self.max_model_len} tokens, including at least one generated token")
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        request = Request(request_id, text, ids, params, seed=seed, on_output=on_output)
+        for i in range(params.n):
+            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            request.seqs.append(Sequence(request, i, detok))
+        self.requests[request_id] = request
+        self.prompt_tokens_total += len(ids)
+        for seq in request.seqs:
+            self.scheduler.add(seq)
+        return request
+
+    def abort_request(self, request_id: str) -> None:
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        request.aborted = True
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        self._emit(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len({s.request.request_id for s in self.scheduler.waiting})
+
+    # -- the step
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        if not step:
+            return []
+        result = self.runner.execute(step)
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            self.block_manager.cache_full_pages(seq)
+        touched = self._append_tokens(result)
+        outputs = []
+        for request in touched:
+            outputs.append(self._emit(request))
+        return outputs
+
+    def _append_tokens(self, result: StepResult) -> list[Request]:
+        now = time.monotonic()
+        touched: dict[str, Request] = {}
+        for i, seq in enumerate(result.seqs):
+            token = int(result.tokens[i])
+            seq.token_ids.append(token)
+            self.generation_tokens_total += 1
+            request = seq.request
+            request.first_token_time = request.first_token_time or now
+            request.last_token_time = now
+            p = seq.params
+            logprob = float(result.logprobs[i])
+            seq.cumulative_logprob += logprob
+            if seq.logprobs is not None:
+                entry = {token: Logprob(logprob, self._token_text(token))}
+                for tid, lp in zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
+                                   strict=True):
+                    entry.setdefault(int(tid), Logprob(float(lp), self._token_text(int(tid))))
+                seq.logprobs.append(entry)
+            stop_str = seq.detokenizer.add_token(token)
+            done = seq.num_output_tokens >= p.min_tokens
+            if done and not p.ignore_eos and token in self.eos_token_ids:
+                self._finish(seq, "stop", None)
+            elif done and token in p.stop_token_ids:
+                self._finish(seq, "stop", token)
+            elif done and stop_str is not None:
+                self._finish(seq, "stop", stop_str)
+            elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                    seq.num_tokens >= self.max_model_len:
+                self._finish(seq, "length", None)
+            touched[request.request_id] = request
+        return list(touched.values())
+
+    def _token_text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
+
+    def _emit(self, request: Request) -> RequestOutput:
+        finished = request.finished
+        outputs = [CompletionOutput(
+            index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs, finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason) for s in request.seqs]
+        out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
+                            num_cached_tokens=request.seqs[0].num_cached_tokens)
+        if finished:
+            self.requests.pop(request.request_id, None)
+            if self.on_request_finished:
+                self.on_request_finished(request)
+        if request.on_output:
+            request.on_output(out)
+        return out
+
+    def stats(self) -> dict:
+        return {
+            "num_running": self.num_running,
+            "num_waiting": self.num_waiting,
+            "kv_cache_usage": self.block_manager.usage,
+            "num_free_pages": self.block_manager.num_free_pages,
+            "num_pages": self.block_manager.num_pages,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+
+__all__ = ["LLMEngine", "PromptTooLongError", "SequenceStatus"]

@@ -1,0 +1,144 @@
+"""Runs one scheduled step on device: pads it to a fixed (tokens, sequences) bucket and calls the jitted
+step compiled for that bucket (forward through the paged KV cache, LM head on the rows that need a token,
+sampling). Every bucket is compiled at start-up, so nothing compiles while serving."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.engine.sampler import SamplingTensors, sample
+from jaxllm.engine.scheduler import ScheduledStep
+from jaxllm.engine.sequence import Sequence
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.sharding import kv_cache_sharding
+from pallas_kernels.kv_cache import allocate_kv_cache
+
+logger = logging.getLogger("jaxllm.engine")
+BIAS_WIDTH = 320  # OpenAI allows 300 logit_bias entries; the rest holds EOS/stop ids masked for min_tokens
+UINT32 = 1 << 32
+
+
+@functools.partial(jax.jit, donate_argnums=(2,))
+def _step(graphdef, state, caches, ids, positions, meta, logit_rows, sampling):
+    model = nnx.merge(graphdef, state)
+    hidden, caches = model.forward_paged(ids, positions, caches, meta)
+    logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
+    return caches, sample(logits, sampling)
+
+
+@dataclasses.dataclass
+class StepResult:
+    seqs: list[Sequence]  # sequences that received a token, in order
+    tokens: np.ndarray  # [n]
+    logprobs: np.ndarray  # [n]
+    top_ids: np.ndarray  # [n, 20]
+    top_logprobs: np.ndarray  # [n, 20]
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, max_model_len: int,
+                 buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None):
+        cfg = model.config
+        self.graphdef, self.state = nnx.split(model)
+        self.vocab_size = cfg.vocab_size
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.buckets = sorted(buckets)
+        self.eos_token_ids = eos_token_ids
+        self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
+                                        model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
+        # Device-resident "nothing to do" inputs, reused so steps without penalties or biases transfer nothing.
+        self._no_history = {s: jnp.full((s, max_model_len), -1, jnp.int32) for _, s in self.buckets}
+        self._no_bias = {s: (jnp.full((s, BIAS_WIDTH), -1, jnp.int32), jnp.zeros((s, BIAS_WIDTH), jnp.float32))
+                         for _, s in self.buckets}
+        self.num_steps = 0
+
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        for t, s in self.buckets:
+            if t >= num_tokens and s >= num_seqs:
+                return t, s
+        raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} sequences")
+
+    def warmup(self) -> None:
+        """Compiles (or loads from the persistent cache) the step of every bucket."""
+        for t, s in tqdm(self.buckets, desc="compiling buckets", unit="bucket"):
+            self.execute(ScheduledStep([], []), bucket=(t, s))
+
+    def _sampling_tensors(self, rows: list[Sequence], s: int) -> SamplingTensors:
+        f32 = np.zeros(s, np.float32)
+        temperature, top_p, min_p = f32.copy(), np.ones(s, np.float32), f32.copy()
+        rep, freq, pres = np.ones(s, np.float32), f32.copy(), f32.copy()
+        top_k, steps, num_prompt = (np.zeros(s, np.int32) for _ in range(3))
+        seeds = np.zeros(s, np.uint32)
+        any_penalty = any_filter = any_bias = False
+        for i, seq in enumerate(rows):
+            p = seq.params
+            temperature[i] = 0.0 if p.greedy else p.temperature
+            top_k[i], top_p[i], min_p[i] = p.top_k, p.top_p, p.min_p
+            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+            seeds[i] = seq.request.seed % UINT32
+            steps[i] = seq.num_output_tokens * 131 + seq.index  # distinct per choice and per token
+            num_prompt[i] = seq.num_prompt_tokens
+            any_penalty |= p.uses_penalties
+            any_filter |= (not p.greedy) and p.uses_filters
+            any_bias |= bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens
+        if any_penalty:
+            history = np.full((s, self.max_model_len), -1, np.int32)
+            for i, seq in enumerate(rows):
+                if seq.params.uses_penalties:
+                    history[i, :seq.num_tokens] = seq.token_ids
+        else:
+            history = self._no_history[s]
+        if any_bias:
+            bias_ids = np.full((s, BIAS_WIDTH), -1, np.int32)
+            bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
+            for i, seq in enumerate(rows):
+                entries = dict(seq.params.logit_bias or {})
+                if seq.num_output_tokens < seq.params.min_tokens:
+                    banned = seq.params.stop_token_ids + (() if seq.params.ignore_eos else self.eos_token_ids)
+                    entries.update(dict.fromkeys(banned, -np.inf))
+                entries = {int(k): v for k, v in entries.items() if 0 <= int(k) < self.vocab_size}
+                bias_ids[i, :len(entries)] = list(entries)
+                bias_values[i, :len(entries)] = list(entries.values())
+        else:
+            bias_ids, bias_values = self._no_bias[s]
+        return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, steps, bias_ids,
+                               bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty))
+
+    def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
+        num_tokens = step.num_tokens
+        t, s = bucket or self.bucket_for(num_tokens, len(step.seqs))
+        ids = np.zeros(t, np.int32)
+        positions = np.zeros(t, np.int32)
+        rows: list[Sequence] = []
+        logit_rows = np.zeros(s, np.int32)
+        at = 0
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            start = seq.num_computed_tokens
+            ids[at:at + n] = seq.token_ids[start:start + n]
+            positions[at:at + n] = np.arange(start, start + n)
+            at += n
+            if start + n == seq.num_tokens:  # the chunk reaches the end of what is known: sample a token
+                logit_rows[len(rows)] = at - 1
+                rows.append(seq)
+        meta = AttentionMetadata.build(
+            query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + n for q, n in
+                                                          zip(step.seqs, step.num_new_tokens, strict=True)],
+            block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
+            num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
+        sampling = self._sampling_tensors(rows, s)
+        self.caches, out = _step(self.graphdef, self.state, self.caches, ids, positions, meta, logit_rows, sampling)
+        tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        self.num_steps += 1
+        n = len(rows)
+        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])

@@ -1,0 +1,88 @@
+"""Token sampling on device, for one row per sequence that needs a token this step.
+
+Order (as vLLM): logit bias (also used to forbid EOS/stop tokens before ``min_tokens``) -> repetition
+penalty (prompt and output tokens) -> frequency and presence penalties (output tokens) -> greedy argmax, or
+temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw with the row's own key. The key is derived from
+the request's seed and the index of the token being sampled, so a seeded request gets the same tokens
+whatever else is in the batch. Logprobs are those of the raw model distribution (vLLM's default).
+Filtering needs a sort of the vocabulary and penalties a scatter over the sequence's tokens; both run only
+in steps where some row asks for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    temperature: jax.Array  # [S] f32; 0 = greedy
+    top_k: jax.Array  # [S] i32; 0 = off
+    top_p: jax.Array  # [S] f32
+    min_p: jax.Array  # [S] f32
+    repetition_penalty: jax.Array  # [S] f32
+    frequency_penalty: jax.Array  # [S] f32
+    presence_penalty: jax.Array  # [S] f32
+    seeds: jax.Array  # [S] u32
+    steps: jax.Array  # [S] i32: index of the token being sampled
+    bias_ids: jax.Array  # [S, B] i32 (-1 = none)
+    bias_values: jax.Array  # [S, B] f32
+    history: jax.Array  # [S, L] i32: the sequence's tokens (-1 = padding); [S, 1] when no penalties
+    num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
+    any_filter: jax.Array  # [] bool
+    any_penalty: jax.Array  # [] bool
+
+
+def _apply_penalties(logits, t: SamplingTensors):
+    s, v = logits.shape
+    hist = t.history
+    valid = hist >= 0
+    idx = jnp.where(valid, hist, v)  # out of range: dropped
+    is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= t.num_prompt[:, None])
+    rows = jnp.arange(s)[:, None]
+    counts = jnp.zeros((s, v), jnp.float32).at[rows, idx].add(is_output.astype(jnp.float32), mode="drop")
+    seen = jnp.zeros((s, v), bool).at[rows, idx].set(True, mode="drop")
+    rep = t.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
+
+
+def _apply_filters(scaled, t: SamplingTensors):
+    """scaled: logits / temperature. Keeps the top-k tokens, then the smallest prefix of those whose
+    renormalised mass reaches top_p, then tokens with probability >= min_p * the top probability."""
+    v = scaled.shape[-1]
+    sorted_desc = -jnp.sort(-scaled, axis=-1)  # [S, V]
+    pos = jnp.arange(v)[None, :]
+    in_k = pos < jnp.where(t.top_k > 0, t.top_k, v)[:, None]
+    probs = jax.nn.softmax(jnp.where(in_k, sorted_desc, -jnp.inf), axis=-1)
+    cum_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = in_k & (cum_before < t.top_p[:, None])  # the token that crosses top_p is kept
+    threshold = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    min_p = sorted_desc[:, :1] + jnp.log(jnp.maximum(t.min_p[:, None], 1e-30))
+    threshold = jnp.maximum(threshold, jnp.where(t.min_p[:, None] > 0, min_p, -jnp.inf))
+    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+
+
+def sample(logits: jax.Array, t: SamplingTensors):
+    """logits [S, V] f32 -> (tokens [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20])."""
+    s, v = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    rows = jnp.arange(s)[:, None]
+    logits = logits.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, v)].add(t.bias_values, mode="drop")
+    logits = jax.lax.cond(t.any_penalty, _apply_penalties, lambda x, _: x, logits, t)
+    greedy = t.temperature <= 0
+    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+    scaled = jax.lax.cond(t.any_filter, _apply_filters, lambda x, _: x, scaled, t)
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(t.seeds, t.steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    sampled = jnp.argmax(scaled + gumbel, axis=-1)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
+    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs

@@ -1,0 +1,117 @@
+"""Continuous-batching scheduler with a token budget per step.
+
+Each step: running sequences first (a decode takes one token, a prompt being prefilled takes its next chunk),
+then waiting ones in arrival order while the budget, the sequence limit and free pages allow. Long prompts
+are prefilled in chunks alongside decodes. When pages run out, the most recently admitted running sequence is
+preempted: its pages are freed and it goes back to the front of the queue to be recomputed later (prompt and
+generated tokens alike, mostly from the prefix cache).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclasses.dataclass
+class ScheduledStep:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # per sequence, tokens computed this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _ready(self, seq: Sequence) -> bool:
+        """Choices 1..n-1 of a request wait until choice 0 has computed the prompt, then share its pages."""
+        leader = seq.request.seqs[0]
+        return seq is leader or leader.finished or leader.num_computed_tokens >= leader.num_prompt_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> ScheduledStep:
+        budget = self.max_num_batched_tokens
+        step = ScheduledStep([], [])
+        preempted = False
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                continue
+            while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            self.bm.grow(seq, seq.num_computed_tokens + n)
+            step.seqs.append(seq)
+            step.num_new_tokens.append(n)
+            budget -= n
+            if budget == 0:
+                break
+        if preempted:  # no admissions in a step that had to preempt
+            return step
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._ready(seq):
+                skipped.append(self.waiting.popleft())
+                continue
+            cached = self.bm.cached_prefix(seq)
+            start = len(cached) * self.bm.page_size
+            n = min(seq.num_tokens - start, budget)
+            if self.bm.pages_needed(start + n) - len(cached) > self.bm.num_free_pages - sum(
+                    1 for p in cached if self.bm.ref_counts[p] == 0):
+                break
+            self.waiting.popleft()
+            self.bm.allocate_prefix(seq, cached)
+            self.bm.grow(seq, start + n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            step.seqs.append(seq)
+            step.num_new_tokens.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return step
+
+    def finish(self, seq: Sequence) -> None:
+        """Removes a finished or aborted sequence and frees its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.release(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,85 @@
+"""Requests and their sequences (one per choice when n > 1), with the state the scheduler tracks."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Callable
+
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.outputs import Logprob
+from jaxllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, request: Request, index: int, detokenizer: IncrementalDetokenizer):
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index  # choice index within the request
+        self.token_ids: list[int] = list(request.prompt_token_ids)  # prompt + generated
+        self.num_prompt_tokens = len(request.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.block_table: list[int] = []
+        self.page_hashes: list[int] = []  # chained hashes of this sequence's full pages, in order
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if request.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.detokenizer = detokenizer
+        self.num_preemptions = 0
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request.request_id}#{self.index}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens}, pages={len(self.block_table)})")
+
+
+class Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int, on_output: Callable | None = None):
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed  # the request's seed, or one drawn by the engine: sampling is reproducible per request
+        self.on_output = on_output  # called on the engine thread with each RequestOutput
+        self.seqs: list[Sequence] = []
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        self.aborted = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -1,0 +1,83 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(...)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm import tqdm
+
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.tokenizer.tokenizer import Tokenizer
+
+Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+
+
+class LLM:
+    """``LLM()`` serves the embedded SmolLM2; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint;
+    ``LLM(model=module, tokenizer=tok)`` a model object built or edited in a notebook. Other keywords are
+    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a file in configs/."""
+
+    def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
+                 preset: str | None = None, **engine_options: Any):
+        path = model if isinstance(model, str) or model is None else None
+        if preset:
+            config = EngineConfig.from_preset(preset, model=path, **engine_options)
+        else:
+            config = EngineConfig(model=path, **engine_options)
+        if isinstance(model, LlamaForCausalLM):
+            self.engine = LLMEngine(config, model=model, tokenizer=tokenizer)
+        else:
+            self.engine = LLMEngine(config, tokenizer=tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | SequenceABC[Prompt],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        for prompt, p in zip(prompts, params, strict=True):
+            request_id = str(next(self._ids))
+            if isinstance(prompt, dict):
+                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+            self.engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise ValueError("chat needs a tokenizer")
+        prompts = [{"prompt_token_ids": tok.apply_chat_template(
+            c, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
+            for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm)
+        while len(finished) < len(request_ids):
+            for out in self.engine.step():
+                if out.finished and out.request_id in request_ids:
+                    finished[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [finished[i] for i in request_ids]

@@ -1,0 +1,37 @@
+"""What generation returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Logprob:
+    logprob: float
+    decoded_token: str
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    # Per generated token: {token_id: Logprob} with the sampled token and the top alternatives.
+    logprobs: list[dict[int, Logprob]] | None
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    # Prompt tokens served from the prefix cache (not recomputed).
+    num_cached_tokens: int = 0
