@@ -93,11 +93,8 @@ class LLMEngine:
         return num_pages, max_len
 
     # -- requests
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None) -> Request:
-        params = params or SamplingParams()
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+    def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        """Tokenizes and validates a prompt; safe to call from any thread."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: pass prompt token ids")
@@ -111,11 +108,22 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                                      f"{self.max_model_len} tokens, including at least one generated token")
+        return text, ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    on_output: Callable[[RequestOutput], None] | None = None, *,
+                    prepared: tuple[str | None, list[int]] | None = None) -> Request:
+        """prompt: text or token ids; prepared: the result of prepare_prompt, when already done."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, ids = prepared or self.prepare_prompt(prompt)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         request = Request(request_id, text, ids, params, seed=seed, on_output=on_output)
         for i in range(params.n):
-            detok = IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output)
             request.seqs.append(Sequence(request, i, detok))
         self.requests[request_id] = request
         self.prompt_tokens_total += len(ids)

@@ -1,0 +1,121 @@
+"""Runs the engine in a background OS thread: requests join the running batch at the next step and stream
+their outputs back as they are produced.
+
+`add_request` and `abort_request` are thread-safe: they only enqueue into a C-level ``_queue.SimpleQueue``,
+which gevent does not patch, and the engine thread applies them between steps. Under gunicorn's gevent
+worker ``threading.Thread`` is a greenlet, so the loop is started with the original
+``_thread.start_new_thread``: a JAX step must not block the event loop.
+"""
+
+from __future__ import annotations
+
+import _queue
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm.engine")
+
+
+def start_os_thread(target: Callable[[], None]) -> None:
+    try:
+        from gevent import monkey
+    except ImportError:
+        monkey = None
+    if monkey is not None and monkey.is_module_patched("threading"):
+        monkey.get_original("_thread", "start_new_thread")(target, ())
+    else:
+        threading.Thread(target=target, name="jaxllm-engine", daemon=True).start()
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: _queue.SimpleQueue = _queue.SimpleQueue()
+        self._stopping = False
+        self.stopped = False
+        self.error: str | None = None
+        self.last_step_time = time.monotonic()
+        start_os_thread(self._run)
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and not self.stopped
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None]) -> None:
+        """Validation errors (bad prompt, too long) are raised here, in the caller's thread."""
+        if not self.alive:
+            raise EngineDeadError(self.error or "the engine is stopped")
+        self._inbox.put(("add", (request_id, self.engine.prepare_prompt(prompt), params, on_output)))
+
+    def abort_request(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Runs fn(engine) on the engine thread, between steps."""
+        self._inbox.put(("call", fn))
+
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stops after the in-flight requests finish, or after drain_timeout_s (they are then aborted)."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self.alive and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        self._stopping = True
+        self._inbox.put(("stop", None))
+        while not self.stopped and self.error is None:
+            time.sleep(0.01)
+
+    def _apply(self, kind: str, arg) -> None:
+        if kind == "add":
+            request_id, prepared, params, on_output = arg
+            try:
+                self.engine.add_request(request_id, prepared[1], params, on_output, prepared=prepared)
+            except ValueError as e:  # a duplicate request id
+                logger.warning("request %s rejected: %s", request_id, e)
+                on_output(e)
+        elif kind == "abort":
+            self.engine.abort_request(arg)
+        elif kind == "call":
+            arg(self.engine)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                busy = self.engine.has_unfinished_requests()
+                try:  # idle: sleep until a request arrives; busy: only pick up what is already there
+                    kind, arg = self._inbox.get_nowait() if busy else self._inbox.get()
+                except _queue.Empty:
+                    kind = None
+                while kind is not None:
+                    if kind == "stop":
+                        self._stopping = True
+                        break
+                    self._apply(kind, arg)
+                    try:
+                        kind, arg = self._inbox.get_nowait()
+                    except _queue.Empty:
+                        kind = None
+                if not self._stopping and self.engine.has_unfinished_requests():
+                    self.engine.step()
+                    self.last_step_time = time.monotonic()
+            for request_id in list(self.engine.requests):
+                self.engine.abort_request(request_id)
+        except Exception:  # the engine is dead: fail every request instead of leaving it hanging
+            self.error = traceback.format_exc()
+            logger.error("engine loop died:\n%s", self.error)
+            for request in list(self.engine.requests.values()):
+                if request.on_output:
+                    request.on_output(EngineDeadError("the engine died"))
+        finally:
+            self.stopped = True
