@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxllm.engine import compile_monitor
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -77,10 +78,18 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.on_request_finished: Callable[[Request], None] | None = None
+        compile_monitor.install()
+        self.warmup_seconds = 0.0
         if warmup:
+            before = compile_monitor.snapshot()
             start = time.perf_counter()
             self.runner.warmup()
-            logger.info("compiled %d buckets in %.1f s", len(self.runner.buckets), time.perf_counter() - start)
+            self.warmup_seconds = time.perf_counter() - start
+            after = compile_monitor.snapshot()
+            hits = after["cache_hits"] - before["cache_hits"]
+            logger.info("warm-up: %d buckets in %.1f s (%d compiled, %d loaded from the persistent cache)",
+                        len(self.runner.buckets), self.warmup_seconds,
+                        after["compiles"] - before["compiles"] - hits, hits)
 
     def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
         c, cfg = self.config, model.config

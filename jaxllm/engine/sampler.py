@@ -84,5 +84,5 @@ def sample(logits: jax.Array, t: SamplingTensors):
     sampled = jnp.argmax(scaled + gumbel, axis=-1)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, MAX_LOGPROBS)
+    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, v))
     return tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs

@@ -1,0 +1,102 @@
+"""The device sampler: empirical distributions after filtering, penalties, bias, seeds, logprobs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from jaxllm.engine.sampler import SamplingTensors, _apply_penalties, sample
+
+V = 12
+
+
+def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, freq=0.0, pres=0.0, seeds=None,
+            steps=None, history=None, num_prompt=None, bias=None):
+    full = lambda v, dt: jnp.full((rows,), v, dt)  # noqa: E731
+    hist = jnp.full((rows, 1), -1, jnp.int32) if history is None else jnp.asarray(history, jnp.int32)
+    bias_ids = jnp.full((rows, 4), -1, jnp.int32)
+    bias_values = jnp.zeros((rows, 4), jnp.float32)
+    if bias:
+        bias_ids = bias_ids.at[:, :len(bias)].set(jnp.asarray(list(bias)))
+        bias_values = bias_values.at[:, :len(bias)].set(jnp.asarray(list(bias.values()), jnp.float32))
+    return SamplingTensors(
+        full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32), full(min_p, jnp.float32),
+        full(rep, jnp.float32), full(freq, jnp.float32), full(pres, jnp.float32),
+        jnp.asarray(seeds if seeds is not None else np.zeros(rows), jnp.uint32),
+        jnp.asarray(steps if steps is not None else np.arange(rows), jnp.int32), bias_ids, bias_values, hist,
+        jnp.asarray(num_prompt if num_prompt is not None else np.zeros(rows), jnp.int32),
+        jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0))
+
+
+def expected_distribution(logits, temperature, top_k, top_p, min_p):
+    """softmax(logits / T), then top-k, top-p (on the renormalised top-k mass), min-p, renormalised."""
+    z = logits / temperature
+    order = np.argsort(-z)
+    keep = np.zeros(len(z), bool)
+    k = top_k or len(z)
+    p = np.exp(z[order[:k]] - z[order[0]])
+    p /= p.sum()
+    mass = 0.0
+    for rank, token in enumerate(order[:k]):
+        if mass >= top_p:
+            break
+        keep[token] = True
+        mass += p[rank]
+    probs = np.exp(z - z.max())
+    keep &= probs >= min_p * probs.max()
+    probs = np.where(keep, probs, 0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p", "min_p"), [
+    (1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (1.0, 0, 1.0, 0.1),
+    (0.9, 6, 0.9, 0.05)])
+def test_empirical_distribution_matches_filtered_softmax(temperature, top_k, top_p, min_p):
+    logits = np.random.default_rng(1).normal(0, 1.5, V).astype(np.float32)
+    n = 20000
+    t = tensors(n, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=np.full(n, 42))
+    tokens = np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), t)[0])
+    expected = expected_distribution(logits.astype(np.float64), temperature, top_k, top_p, min_p)
+    counts = np.bincount(tokens, minlength=V)
+    assert counts[expected == 0].sum() == 0  # filtered tokens never appear
+    allowed = expected > 0
+    result = chisquare(counts[allowed], expected[allowed] * n)
+    assert result.pvalue > 1e-3, (counts, expected * n)
+
+
+def test_penalties_follow_openai_and_vllm_definitions():
+    logits = np.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]], np.float32)
+    history = np.array([[0, 1, 1, 3, 3, 3, -1]])  # prompt: tokens 0, 1; output: 1, 3, 3, 3
+    t = tensors(1, rep=1.5, freq=0.4, pres=0.3, history=history, num_prompt=[2])
+    got = np.asarray(_apply_penalties(jnp.asarray(logits), t))[0]
+    counts = np.array([0, 1, 0, 3, 0, 0])  # output tokens only
+    seen = np.array([1, 1, 0, 1, 0, 0], bool)  # prompt and output
+    want = logits[0].copy()
+    want = np.where(seen, np.where(want > 0, want / 1.5, want * 1.5), want)
+    want = want - 0.4 * counts - 0.3 * (counts > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got[2] == logits[0, 2] and got[5] == logits[0, 5]  # unseen tokens untouched
+
+
+def test_greedy_bias_and_logprobs():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]], jnp.float32)
+    tokens, lp, top_ids, top_lp = sample(logits, tensors(1, temperature=0.0))
+    assert int(tokens[0]) == 1
+    np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits)[0, 1]), rtol=1e-6)
+    assert top_ids[0, :4].tolist() == [1, 3, 2, 0]
+    biased = sample(logits, tensors(1, temperature=0.0, bias={1: -100.0, 2: 5.0}))[0]
+    assert int(biased[0]) == 2
+    banned = sample(logits, tensors(1, temperature=1.0, bias={1: -jnp.inf, 3: -jnp.inf}, steps=[0]))[0]
+    assert int(banned[0]) in (0, 2)
+
+
+def test_seeded_rows_do_not_depend_on_the_batch():
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0, 1, (4, 1000)), jnp.float32)
+    t = tensors(4, seeds=[7, 8, 9, 7], steps=[5, 5, 5, 6])
+    alone = sample(logits[:1], tensors(1, seeds=[7], steps=[5]))[0]
+    together = sample(logits, t)[0]
+    assert int(alone[0]) == int(together[0])
+    draws = [int(sample(logits[:1], tensors(1, seeds=[s], steps=[0]))[0][0]) for s in range(20)]
+    assert len(set(draws)) > 5  # different seeds do sample differently

@@ -1,0 +1,160 @@
+"""Block manager and scheduler in plain Python: prefix caching, chunked prefill, preemption, aborts, leaks."""
+
+import random
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
+from jaxllm.sampling_params import SamplingParams
+
+PAGE = 4
+
+
+def make_request(rid, prompt, n=1, max_tokens=8):
+    params = SamplingParams(n=n, max_tokens=max_tokens)
+    request = Request(str(rid), None, prompt, params, seed=0)
+    for i in range(n):
+        request.seqs.append(Sequence(request, i, IncrementalDetokenizer(
+            None, prompt, skip_special_tokens=True, stop=(), include_stop_str_in_output=False)))
+    return request
+
+
+def run_step(sched: Scheduler, bm: BlockManager, rng=None) -> list[Sequence]:
+    """Plays the engine: marks scheduled tokens computed, appends a token to sequences that reached the end,
+    finishes those at max_tokens."""
+    step = sched.schedule()
+    for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+        assert len(seq.block_table) * PAGE >= seq.num_computed_tokens + n
+        seq.num_computed_tokens += n
+        bm.cache_full_pages(seq)
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(rng.randrange(1000) if rng else 7)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq)
+    return step.seqs
+
+
+def test_prefix_cache_hit_computes_only_new_tokens():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(100, 130))  # 30 tokens: 7 full pages
+    first = make_request(1, prefix + [1, 2], max_tokens=1)
+    sched.add(first.seqs[0])
+    run_step(sched, bm)
+    assert first.finished and bm.num_free_pages == 64  # freed, but its pages keep their cached contents
+    second = make_request(2, prefix + [3, 4, 5], max_tokens=1)
+    sched.add(second.seqs[0])
+    step = sched.schedule()
+    assert step.seqs == second.seqs
+    # 32 prompt tokens of the first request filled 8 pages; the second shares the first 7 (28 tokens).
+    assert second.seqs[0].num_cached_tokens == 28
+    assert step.num_new_tokens == [33 - 28]
+    assert second.seqs[0].block_table[:7] == list(range(7))  # a fresh manager handed out pages 0..7 first
+
+
+def test_identical_prompt_recomputes_at_least_one_token():
+    bm = BlockManager(16, PAGE)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    a = make_request(1, list(range(8)), max_tokens=1)
+    sched.add(a.seqs[0])
+    run_step(sched, bm)
+    b = make_request(2, list(range(8)), max_tokens=1)
+    sched.add(b.seqs[0])
+    step = sched.schedule()
+    assert step.num_new_tokens == [4] and b.seqs[0].num_cached_tokens == 4  # the last page is recomputed
+
+
+def test_chunked_prefill_of_prompt_longer_than_budget_runs_beside_decodes():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
+    short = make_request(1, [1, 2, 3], max_tokens=20)
+    sched.add(short.seqs[0])
+    run_step(sched, bm)  # short is decoding from now on
+    long = make_request(2, list(range(50)), max_tokens=2)
+    sched.add(long.seqs[0])
+    chunks = []
+    while long.seqs[0].num_output_tokens == 0:
+        step = sched.schedule()
+        assert step.num_tokens <= 16
+        assert short.seqs[0] in step.seqs  # the decode is never starved by the prefill
+        chunks.append(step.num_new_tokens[step.seqs.index(long.seqs[0])])
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.token_ids.append(5)
+    assert sum(chunks) == 50 and len(chunks) == 4 and max(chunks) == 15
+
+
+def test_preemption_when_pages_run_out_and_everyone_finishes():
+    bm = BlockManager(10, PAGE)  # 40 token slots for 4 sequences that need 20 each
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    requests = [make_request(i, [i] * 10, max_tokens=10) for i in range(4)]
+    for r in requests:
+        sched.add(r.seqs[0])
+    for _ in range(200):
+        if not sched.has_work():
+            break
+        run_step(sched, bm)
+    assert all(r.finished and r.seqs[0].num_output_tokens == 10 for r in requests)
+    assert sched.num_preemptions > 0
+    assert bm.num_free_pages == 10 and all(c == 0 for c in bm.ref_counts)
+
+
+def test_abort_frees_every_page():
+    bm = BlockManager(32, PAGE)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
+    r = make_request(1, list(range(30)), n=2)
+    for s in r.seqs:
+        sched.add(s)
+    run_step(sched, bm)
+    assert bm.num_free_pages < 32
+    for s in r.seqs:
+        sched.finish(s)
+    assert bm.num_free_pages == 32 and not sched.running and not sched.waiting
+
+
+def test_n_choices_share_the_prompt_pages():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    r = make_request(1, list(range(21)), n=3)
+    for s in r.seqs:
+        sched.add(s)
+    step = sched.schedule()
+    assert step.seqs == [r.seqs[0]]  # the other choices wait for the prompt
+    for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+        seq.num_computed_tokens += n
+        bm.cache_full_pages(seq)
+        seq.token_ids.append(9)
+    step = sched.schedule()
+    leader, *others = r.seqs
+    for s in others:
+        assert s.num_cached_tokens == 20 and s.block_table[:5] == leader.block_table[:5]
+    assert bm.ref_counts[leader.block_table[0]] == 3
+
+
+def test_no_page_leaks_after_1000_random_requests():
+    rng = random.Random(0)
+    bm = BlockManager(96, PAGE)
+    sched = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=48)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(4, 40))] for _ in range(10)]
+    requests, added = [], 0
+    while added < 1000 or sched.has_work():
+        for _ in range(rng.randrange(0, 4)):
+            if added < 1000:
+                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 30))]
+                r = make_request(added, prompt, n=rng.choice([1, 1, 2]), max_tokens=rng.randrange(1, 12))
+                requests.append(r)
+                for s in r.seqs:
+                    sched.add(s)
+                added += 1
+        run_step(sched, bm, rng)
+        if rng.random() < 0.05 and sched.running:  # random aborts
+            victim = rng.choice(sched.running)
+            for s in victim.request.seqs:
+                if not s.finished:
+                    sched.finish(s)
+        assert bm.num_free_pages + sum(1 for c in bm.ref_counts if c > 0) == 96
+    assert all(s.status == SequenceStatus.FINISHED for r in requests for s in r.seqs)
+    assert bm.num_free_pages == 96 and all(c == 0 for c in bm.ref_counts)
+    assert bm.prefix_hits > 0 and sched.num_preemptions > 0
