@@ -1,110 +1,127 @@
-"""`python -m jaxllm.generate`: run a model locally from the command line.
+"""python -m jaxllm.generate: run a model locally through the engine.
 
-With no --model, runs the embedded SmolLM2-135M-Instruct. Prompts are chat messages by default (--raw for
-plain text completion); with no prompt argument, each line of stdin is one prompt.
+With no --model it runs the embedded SmolLM2-135M-Instruct. Each prompt is a chat message (--raw for plain
+text completion); with no prompt argument, each line of stdin is one prompt. A single prompt streams its
+tokens as they are generated; several prompts run together in one continuous batch and print as they
+finish. A last line (on stderr) gives prompt/generated token counts, tokens/s and time to first token.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import sys
 import time
-from collections.abc import Callable
 
-import numpy as np
-
-from jaxllm.loading import load_model
-from jaxllm.paged_runner import PagedRunner
-
-
-def greedy_generate(runner: PagedRunner, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_ids: tuple[int, ...] = (),
-                    on_token: Callable[[int, int], None] | None = None) -> list[list[int]]:
-    """Greedy decoding of a batch of prompts through the paged cache: one prefill step, then one decode
-    step per token. Returns the generated ids of each prompt (the EOS token included when it stops)."""
-    outputs: list[list[int]] = [[] for _ in prompts]
-    chunks = dict(enumerate(prompts))
-    for _ in range(max_new_tokens):
-        if not chunks:
-            break
-        logits = runner.step(chunks)
-        chunks = {}
-        for i, row in logits.items():
-            token = int(np.argmax(row[-1]))
-            outputs[i].append(token)
-            if on_token:
-                on_token(i, token)
-            if token not in eos_token_ids:
-                chunks[i] = [token]
-    for i in range(len(prompts)):
-        runner.release(i)
-    return outputs
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.sampling_params import SamplingParams, SamplingParamsError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m jaxllm.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompts", nargs="*", help="prompts (default: one per line of stdin)")
-    p.add_argument("--model", default=None,
-                   help="HF folder, GGUF file or jaxllm orbax checkpoint (default: embedded SmolLM2)")
-    p.add_argument("--raw", action="store_true", help="complete plain text instead of a chat message")
-    p.add_argument("--system", default=None, help="system message for chat prompts")
-    p.add_argument("--max-tokens", type=int, default=128, help="maximum new tokens per prompt (default 128)")
-    p.add_argument("--dtype", default="auto", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices to shard the model over")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV-cache page (default 16)")
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", help="HF folder, GGUF file or jaxllm orbax checkpoint (default: embedded SmolLM2)")
+    m.add_argument("--preset", default="smollm2-cpu", help="engine preset in configs/ or a TOML file "
+                   "(default: smollm2-cpu)")
+    m.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
+    m.add_argument("--tensor-parallel-size", type=int, help="devices to shard the model over")
+    m.add_argument("--attn-impl", help="auto, reference, pallas_tpu, pallas_gpu")
+    m.add_argument("--max-model-len", type=int, help="maximum context length (prompt + generated)")
+    m.add_argument("--max-num-seqs", type=int, help="maximum sequences in one batch")
+    m.add_argument("--max-num-batched-tokens", type=int, help="token budget of one engine step")
+    m.add_argument("--num-pages", type=int, help="KV-cache pages (default: sized from free memory)")
+    m.add_argument("--page-size", type=int, help="tokens per KV-cache page")
+    m.add_argument("--compilation-cache-dir", help="JAX persistent compilation cache ('' to disable)")
+    m.add_argument("--warmup", action="store_true", help="compile every bucket before generating (as a server "
+                   "does); by default shapes compile when first used")
+    m.add_argument("-v", "--verbose", action="store_true", help="log engine start-up")
+    c = p.add_argument_group("prompt")
+    c.add_argument("--raw", action="store_true", help="complete plain text instead of a chat message")
+    c.add_argument("--system", help="system message for chat prompts")
+    s = p.add_argument_group("sampling (as in the OpenAI API and vLLM)")
+    s.add_argument("--max-tokens", type=int, default=256, help="maximum new tokens per choice (default 256)")
+    s.add_argument("--min-tokens", type=int, default=0, help="generate at least this many tokens")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    s.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--seed", type=int, help="per-request seed (same seed, same output)")
+    s.add_argument("-n", type=int, default=1, help="choices per prompt")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="token ids that end a choice")
+    s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    s.add_argument("--logprobs", type=int, help="print the top-N logprobs of each generated token")
     return p.parse_args(argv)
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return EngineConfig.from_preset(args.preset, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     prompts = args.prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         print("error: no prompt given", file=sys.stderr)
         return 2
-    lm = load_model(args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
-    tok = lm.tokenizer
-    if tok is None:
-        print(f"error: {args.model} has no tokenizer", file=sys.stderr)
+    try:
+        params = SamplingParams(
+            n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+            repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+            min_tokens=args.min_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
+            ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+    except SamplingParamsError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.raw:
-        ids = [tok.encode(p) for p in prompts]
-    else:
-        system = [{"role": "system", "content": args.system}] if args.system else []
-        ids = [tok.apply_chat_template(system + [{"role": "user", "content": p}], tokenize=True) for p in prompts]
-    pages_per_seq = -(-(max(map(len, ids)) + args.max_tokens) // args.page_size)
-    runner = PagedRunner(lm.model, num_pages=pages_per_seq * len(ids), page_size=args.page_size, mesh=lm.mesh)
-    stream = len(prompts) == 1
-    streamed: list[int] = []
-    printed = ""
-    first_token_at: list[float] = []
+    engine = LLMEngine(_engine_config(args), warmup=args.warmup)
+    tok = engine.tokenizer
+    if tok is None:
+        print("error: this model has no tokenizer", file=sys.stderr)
+        return 2
+    system = [{"role": "system", "content": args.system}] if args.system else []
     start = time.perf_counter()
-
-    def on_token(i: int, token: int) -> None:
-        nonlocal printed
-        if not first_token_at:
-            first_token_at.append(time.perf_counter())
-        if stream and token not in tok.eos_token_ids:
-            # Decode the whole output and print what is new, holding back an incomplete UTF-8 character.
-            streamed.append(token)
-            text = tok.decode(streamed)
-            if not text.endswith("\ufffd"):
-                sys.stdout.write(text[len(printed):])
+    for i, prompt in enumerate(prompts):
+        ids = tok.encode(prompt) if args.raw else tok.apply_chat_template(
+            system + [{"role": "user", "content": prompt}], tokenize=True)
+        engine.add_request(str(i), ids, params)
+    stream = len(prompts) == 1 and args.n == 1
+    printed, first_token_at, prompt_tokens, generated = 0, None, 0, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            first_token_at = first_token_at or time.perf_counter()
+            if stream:
+                text = out.outputs[0].text
+                sys.stdout.write(text[printed:])
                 sys.stdout.flush()
-                printed = text
-
-    outputs = greedy_generate(runner, ids, args.max_tokens, tok.eos_token_ids, on_token)
+                printed = len(text)
+            if out.finished:
+                prompt_tokens += len(out.prompt_token_ids)
+                generated += sum(len(c.token_ids) for c in out.outputs)
+                if not stream:
+                    for c in out.outputs:
+                        label = f"[{out.request_id}" + (f".{c.index}]" if args.n > 1 else "]")
+                        print(f"{label} {prompts[int(out.request_id)]}\n{c.text}\n")
+                if args.logprobs is not None:
+                    for c in out.outputs:
+                        for step in c.logprobs:
+                            print("  " + "  ".join(f"{lp.decoded_token!r}:{lp.logprob:.3f}" for lp in step.values()))
     elapsed = time.perf_counter() - start
     if stream:
         print(flush=True)
-    else:
-        for prompt, out in zip(prompts, outputs, strict=True):
-            print(f"### {prompt}\n{tok.decode(out)}\n")
-    generated = sum(map(len, outputs))
-    ttft = first_token_at[0] - start if first_token_at else float("nan")
-    print(f"[{lm.name}] prompt tokens: {sum(map(len, ids))}, generated tokens: {generated}, "
-          f"{generated / elapsed:.1f} tok/s, time to first token: {ttft:.2f} s (includes compilation)",
-          file=sys.stderr)
+    ttft = (first_token_at - start) if first_token_at else float("nan")
+    print(f"[{engine.model_name}] prompt tokens: {prompt_tokens}, generated tokens: {generated}, "
+          f"{generated / elapsed:.1f} tok/s, time to first token: {ttft:.2f} s", file=sys.stderr)
     return 0
 
 

@@ -7,8 +7,8 @@ import pytest
 
 from jaxllm.config import ConfigError
 from jaxllm.loading import load_model
-from jaxllm.paged_runner import PagedRunner
 from jaxllm.sharding import make_mesh
+from tests.paged_driver import PagedRunner
 
 
 def _logits(lm, ids):

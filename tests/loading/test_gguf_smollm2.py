@@ -3,9 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxllm.generate import greedy_generate
 from jaxllm.loading import load_model
-from jaxllm.paged_runner import PagedRunner
+from tests.paged_driver import PagedRunner, greedy_generate
 
 MESSAGES = [{"role": "user", "content": "Give me three tips for staying focused while studying."}]
 

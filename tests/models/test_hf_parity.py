@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxllm.loading import load_model
-from jaxllm.paged_runner import PagedRunner
+from tests.paged_driver import PagedRunner
 from tests.tiny_models import PARITY_CASES
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")

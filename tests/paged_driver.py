@@ -1,6 +1,5 @@
-"""A minimal driver of the model's paged path: fixed-size pages handed out in order, one jitted forward
-per distinct (tokens, sequences) shape. It backs `python -m jaxllm.generate`'s greedy loop and the parity
-tests; the engine (scheduler, block manager, bucketed model runner) supersedes it for serving."""
+"""A minimal driver of the model's paged path for parity tests: pages handed out in order, one jitted
+forward per distinct shape, logits for every token if asked. The engine's ModelRunner is the real one."""
 
 from __future__ import annotations
 
@@ -72,3 +71,14 @@ class PagedRunner:
         if not all_logits:
             return {s: logits[i:i + 1] for i, s in enumerate(seqs)}
         return {s: logits[e - n:e] for s, n, e in zip(seqs, query_lens, ends, strict=True)}
+
+
+def greedy_generate(runner: PagedRunner, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy decoding of a batch of prompts: one prefill step, then one decode step per token."""
+    outputs: list[list[int]] = [[] for _ in prompts]
+    chunks = dict(enumerate(prompts))
+    for _ in range(max_new_tokens):
+        for i, row in runner.step(chunks).items():
+            outputs[i].append(int(np.argmax(row[-1])))
+        chunks = {i: [out[-1]] for i, out in enumerate(outputs)}
+    return outputs
