@@ -188,9 +188,9 @@ class LLMEngine:
             request.first_token_time = request.first_token_time or now
             request.last_token_time = now
             p = seq.params
-            logprob = float(result.logprobs[i])
-            seq.cumulative_logprob += logprob
-            if seq.logprobs is not None:
+            if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
+                logprob = float(result.logprobs[i])
+                seq.cumulative_logprob += logprob
                 entry = {token: Logprob(logprob, self._token_text(token))}
                 for tid, lp in zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
                                    strict=True):
@@ -221,8 +221,8 @@ class LLMEngine:
         finished = request.finished
         outputs = [CompletionOutput(
             index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs, finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason) for s in request.seqs]
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
         out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
                             num_cached_tokens=request.seqs[0].num_cached_tokens)
         if finished:

@@ -80,7 +80,7 @@ class ModelRunner:
         rep, freq, pres = np.ones(s, np.float32), f32.copy(), f32.copy()
         top_k, steps, num_prompt = (np.zeros(s, np.int32) for _ in range(3))
         seeds = np.zeros(s, np.uint32)
-        any_penalty = any_filter = any_bias = False
+        any_penalty = any_filter = any_bias = any_random = any_logprobs = False
         for i, seq in enumerate(rows):
             p = seq.params
             temperature[i] = 0.0 if p.greedy else p.temperature
@@ -91,6 +91,8 @@ class ModelRunner:
             num_prompt[i] = seq.num_prompt_tokens
             any_penalty |= p.uses_penalties
             any_filter |= (not p.greedy) and p.uses_filters
+            any_random |= not p.greedy
+            any_logprobs |= p.logprobs is not None
             any_bias |= bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens
         if any_penalty:
             history = np.full((s, self.max_model_len), -1, np.int32)
@@ -113,7 +115,8 @@ class ModelRunner:
         else:
             bias_ids, bias_values = self._no_bias[s]
         return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, steps, bias_ids,
-                               bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty))
+                               bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
+                               np.bool_(any_random), np.bool_(any_logprobs))
 
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
         num_tokens = step.num_tokens

@@ -37,6 +37,8 @@ class SamplingTensors:
     num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
     any_filter: jax.Array  # [] bool
     any_penalty: jax.Array  # [] bool
+    any_random: jax.Array  # [] bool: some row samples (is not greedy)
+    any_logprobs: jax.Array  # [] bool: some row asked for logprobs
 
 
 def _apply_penalties(logits, t: SamplingTensors):
@@ -69,20 +71,40 @@ def _apply_filters(scaled, t: SamplingTensors):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def _draw(scaled, t: SamplingTensors):
+    v = scaled.shape[-1]
+    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(t.seeds, t.steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+
+
+def _logprobs(logits, tokens):
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, logits.shape[-1]))
+    return jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_logprobs
+
+
+def _no_logprobs(logits, tokens):
+    s, k = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
+    return jnp.zeros((s,), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+
+
 def sample(logits: jax.Array, t: SamplingTensors):
-    """logits [S, V] f32 -> (tokens [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20])."""
+    """logits [S, V] f32 -> (tokens [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]).
+    Logprobs are zeros unless some row asked for them; the random draw and the filters run only when some
+    row samples, penalties only when some row has them (so a greedy batch pays for one argmax)."""
     s, v = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw = logits
     rows = jnp.arange(s)[:, None]
     logits = logits.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, v)].add(t.bias_values, mode="drop")
     logits = jax.lax.cond(t.any_penalty, _apply_penalties, lambda x, _: x, logits, t)
     greedy = t.temperature <= 0
-    scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
-    scaled = jax.lax.cond(t.any_filter, _apply_filters, lambda x, _: x, scaled, t)
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(t.seeds, t.steps)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-    sampled = jnp.argmax(scaled + gumbel, axis=-1)
-    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
-    token_logprobs = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    top_logprobs, top_ids = jax.lax.top_k(raw_logprobs, min(MAX_LOGPROBS, v))
-    return tokens, token_logprobs, top_ids.astype(jnp.int32), top_logprobs
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def draw(logits):
+        scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
+        scaled = jax.lax.cond(t.any_filter, _apply_filters, lambda x, _: x, scaled, t)
+        return jnp.where(greedy, argmax, _draw(scaled, t))
+
+    tokens = jax.lax.cond(t.any_random, draw, lambda _: argmax, logits)
+    return (tokens, *jax.lax.cond(t.any_logprobs, _logprobs, _no_logprobs, raw, tokens))
