@@ -1,0 +1,73 @@
+"""GET /v1/models, /health, /ping, /version, /metrics; POST /tokenize, /detokenize."""
+
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, Response, jsonify
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import jaxllm
+from jaxllm.tokenizer.chat_template import ChatTemplateError
+from server.errors import APIError
+from server.openai_routes import parse, state
+from server.protocol import DetokenizeRequest, TokenizeRequest
+
+bp = Blueprint("admin", __name__)
+STARTED = int(time.time())
+
+
+@bp.get("/v1/models")
+def models():
+    st = state()
+    return jsonify({"object": "list", "data": [{
+        "id": st.model_name, "object": "model", "created": STARTED, "owned_by": "jaxllm",
+        "root": st.model_name, "max_model_len": st.engine.max_model_len}]})
+
+
+@bp.get("/health")
+def health():
+    if not state().loop.alive:
+        return jsonify({"status": "engine dead"}), 503
+    return jsonify({"status": "ok"})
+
+
+@bp.get("/ping")
+def ping():
+    return health()
+
+
+@bp.get("/version")
+def version():
+    return jsonify({"version": jaxllm.__version__})
+
+
+@bp.get("/metrics")
+def metrics():
+    return Response(generate_latest(state().metrics.registry), mimetype=CONTENT_TYPE_LATEST)
+
+
+@bp.post("/tokenize")
+def tokenize():
+    req = parse(TokenizeRequest)
+    st = state()
+    tok = st.engine.tokenizer
+    if req.messages is not None:
+        try:
+            ids = tok.apply_chat_template([m.as_template_input() for m in req.messages], tokenize=True,
+                                          add_generation_prompt=req.add_generation_prompt)
+        except (ChatTemplateError, ValueError) as e:
+            raise APIError(400, f"messages: {e}", param="messages") from None
+    else:
+        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return jsonify({"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len})
+
+
+@bp.post("/detokenize")
+def detokenize():
+    req = parse(DetokenizeRequest)
+    st = state()
+    vocab = st.engine.model.config.vocab_size
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    return jsonify({"prompt": st.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})

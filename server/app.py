@@ -1,0 +1,95 @@
+"""The Flask app. ``gunicorn server.app:app`` (with ./gunicorn.conf.py: one gevent worker) builds it from
+the environment (see server/settings.py); `create_app` builds one from explicit settings."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+import uuid
+
+from flask import Flask, g, request
+from werkzeug.exceptions import HTTPException
+
+from jaxllm.engine.engine_loop import EngineLoop
+from jaxllm.engine.llm_engine import LLMEngine
+from server import admin_routes, openai_routes
+from server.errors import APIError, error_response
+from server.metrics import ServerMetrics
+from server.settings import ServerSettings
+from server.state import ServerState
+
+logger = logging.getLogger("jaxllm.server")
+access_log = logging.getLogger("jaxllm.access")
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+
+
+def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Flask:
+    if engine is None:
+        logger.info("starting the engine: %s", settings.engine)
+        engine = LLMEngine(settings.engine)
+    app = Flask("jaxllm")
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False
+    st = ServerState(settings=settings, loop=EngineLoop(engine), metrics=ServerMetrics(engine, engine.model_name))
+    app.extensions["jaxllm"] = st
+    app.register_blueprint(openai_routes.bp)
+    app.register_blueprint(admin_routes.bp)
+
+    @app.before_request
+    def before():
+        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        g.start = time.monotonic()
+        if settings.api_key and request.path not in OPEN_PATHS:
+            header = request.headers.get("Authorization", "")
+            token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
+            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
+                return error_response(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                                      code="invalid_api_key")
+        return None
+
+    @app.after_request
+    def after(resp):
+        resp.headers["X-Request-Id"] = g.get("request_id", "")
+        if not resp.is_streamed and request.path not in ("/v1/completions", "/v1/chat/completions") or \
+                resp.status_code >= 400:
+            access_log.info('%s "%s %s" %d request_id=%s latency=%.3fs', request.remote_addr, request.method,
+                            request.path, resp.status_code, g.get("request_id"),
+                            time.monotonic() - g.get("start", time.monotonic()))
+        return resp
+
+    @app.errorhandler(APIError)
+    def api_error(e: APIError):
+        return e.response()
+
+    @app.errorhandler(HTTPException)
+    def http_error(e: HTTPException):
+        messages = {404: f"no route {request.method} {request.path}",
+                    405: f"method {request.method} is not allowed on {request.path}",
+                    413: f"the request body is larger than {settings.max_body_bytes} bytes"}
+        return error_response(e.code or 500, messages.get(e.code, e.description or str(e)))
+
+    @app.errorhandler(Exception)
+    def unexpected(e: Exception):
+        logger.exception("unhandled error")
+        return error_response(500, f"internal error: {type(e).__name__}")
+
+    logger.info("ready: serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+    return app
+
+
+_app: Flask | None = None
+
+
+def __getattr__(name: str):
+    """``server.app:app`` is built on first access, in the gunicorn worker (never in the master)."""
+    global _app
+    if name == "app":
+        if _app is None:
+            if not logging.getLogger().handlers:
+                logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
+                                    format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            _app = create_app(ServerSettings.from_env())
+        return _app
+    raise AttributeError(name)

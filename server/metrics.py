@@ -1,0 +1,49 @@
+"""Prometheus metrics: engine state read at scrape time, request latencies observed by the server."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxllm.engine.llm_engine import LLMEngine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class EngineCollector:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.engine, self.labels = engine, [model_name]
+
+    def collect(self):
+        s = self.engine.stats()  # plain ints read from the engine thread's objects; atomic under the GIL
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(self.labels, value)
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(self.labels, value)
+            return c
+
+        yield gauge("jaxllm_num_requests_running", "Sequences in the running batch.", s["num_running"])
+        yield gauge("jaxllm_num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
+        yield gauge("jaxllm_kv_cache_usage_perc", "Fraction of KV-cache pages in use.", s["kv_cache_usage"])
+        yield gauge("jaxllm_kv_cache_free_pages", "KV-cache pages not held by any sequence.", s["num_free_pages"])
+        yield gauge("jaxllm_kv_cache_pages", "KV-cache pages in all.", s["num_pages"])
+        yield counter("jaxllm_prompt_tokens", "Prompt tokens received.", s["prompt_tokens_total"])
+        yield counter("jaxllm_generation_tokens", "Tokens generated.", s["generation_tokens_total"])
+        yield counter("jaxllm_num_preemptions", "Sequences preempted for lack of KV pages.", s["num_preemptions"])
+
+
+class ServerMetrics:
+    def __init__(self, engine: LLMEngine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        kw = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        self.ttft = Histogram("jaxllm_time_to_first_token_seconds", "Time to first token.", **kw).labels(model_name)
+        self.itl = Histogram("jaxllm_inter_token_latency_seconds", "Time between streamed outputs.",
+                             **kw).labels(model_name)
+        self.e2e = Histogram("jaxllm_e2e_request_latency_seconds", "Request latency, end to end.",
+                             **kw).labels(model_name)

@@ -1,0 +1,241 @@
+"""POST /v1/completions and POST /v1/chat/completions, streaming (SSE) and not."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
+from pydantic import BaseModel, ValidationError
+
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import SamplingParamsError
+from jaxllm.tokenizer.chat_template import ChatTemplateError
+from server.errors import APIError
+from server.generation import Generation
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+bp = Blueprint("openai", __name__)
+access_log = logging.getLogger("jaxllm.access")
+
+
+def state() -> ServerState:
+    return current_app.extensions["jaxllm"]
+
+
+def parse(model_cls: type[BaseModel]):
+    body = request.get_json(silent=True)
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        req = model_cls.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        param = loc or (msg.split(":", 1)[0] if ":" in msg else None)
+        raise APIError(400, f"{loc + ': ' if loc else ''}{msg}", param=param) from None
+    name = state().model_name
+    if getattr(req, "model", None) not in (None, name):
+        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{name}'", param="model",
+                       code="model_not_found")
+    return req
+
+
+def sampling_params(req, max_tokens, logprobs):
+    try:
+        return req.sampling_params(max_tokens, logprobs)
+    except SamplingParamsError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except ValueError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+
+
+def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
+    def body():
+        try:
+            for event in events:
+                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code}})}\n\n"
+        finally:  # also on client disconnect (GeneratorExit): free the engine's pages
+            gen.finish()
+            on_end()
+
+    resp = Response(stream_with_context(body()), mimetype="text/event-stream")
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    return resp
+
+
+def log_request(gen: Generation, status: int = 200) -> None:
+    u = gen.usage
+    access_log.info('%s "%s %s" %d request_id=%s prompt_tokens=%d completion_tokens=%d latency=%.3fs',
+                    request.remote_addr, request.method, request.path, status, g.request_id, u["prompt_tokens"],
+                    u["completion_tokens"], time.monotonic() - gen.start)
+
+
+# -- completions
+def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = offset0
+    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+        text = entry[token_id].decoded_token
+        tokens.append(text)
+        token_lps.append(entry[token_id].logprob)
+        ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
+        tops.append({lp.decoded_token: lp.logprob for lp in ranked})
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+@bp.post("/v1/completions")
+def completions():
+    req = parse(CompletionRequest)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    params = sampling_params(req, req.max_tokens, req.logprobs)
+    prompts = req.prompts()
+    gen = Generation(state(), g.request_id, prompts, params)
+    created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
+    tok = state().engine.tokenizer
+
+    def prompt_text(out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return tok.decode(out.prompt_token_ids, skip_special_tokens=False) if tok else ""
+
+    def choice_index(i: int, c: CompletionOutput) -> int:
+        return i * req.n + c.index
+
+    if not req.stream:
+        try:
+            outs = gen.wait()
+        finally:
+            gen.finish()
+        choices = []
+        for i, out in enumerate(outs):
+            for c in out.outputs:
+                text = (prompt_text(out) if req.echo else "") + c.text
+                lp = _completion_logprobs(c, req.logprobs, 0, tok, 0) if req.logprobs is not None else None
+                choices.append({"index": choice_index(i, c), "text": text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        log_request(gen)
+        return jsonify({"id": cid, "object": "text_completion", "created": created, "model": model,
+                        "choices": sorted(choices, key=lambda c: c["index"]), "usage": gen.usage})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def events():
+        sent_text: dict[tuple[str, int], int] = {}
+        sent_tokens: dict[tuple[str, int], int] = {}
+        finished: set[tuple[str, int]] = set()
+        for out in gen.updates():
+            i = gen.ids.index(out.request_id)
+            for c in out.outputs:
+                key = (out.request_id, c.index)
+                if key in finished:
+                    continue
+                first = key not in sent_text
+                delta = c.text[sent_text.get(key, 0):]
+                if first and req.echo:
+                    delta = prompt_text(out) + delta
+                new_tokens = sent_tokens.get(key, 0)
+                if not delta and not c.finished() and not first:
+                    continue
+                lp = None
+                if req.logprobs is not None:
+                    lp = _completion_logprobs(c, req.logprobs, new_tokens, tok, sent_text.get(key, 0))
+                sent_text[key] = len(c.text)
+                sent_tokens[key] = len(c.token_ids)
+                if c.finished():
+                    finished.add(key)
+                yield {"id": cid, "object": "text_completion", "created": created, "model": model,
+                       "choices": [{"index": choice_index(i, c), "text": delta, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+        if include_usage:
+            yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
+                   "usage": gen.usage}
+
+    return sse(events(), gen, lambda: log_request(gen))
+
+
+# -- chat
+def _chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict:
+    content = []
+    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+        chosen = entry[token_id]
+        ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
+        content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
+                        "bytes": list(chosen.decoded_token.encode()),
+                        "top_logprobs": [{"token": lp.decoded_token, "logprob": lp.logprob,
+                                          "bytes": list(lp.decoded_token.encode())} for lp in ranked]})
+    return {"content": content}
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions():
+    req = parse(ChatCompletionRequest)
+    st = state()
+    tok = st.engine.tokenizer
+    try:
+        messages = [m.as_template_input() for m in req.messages]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+                                      **(req.chat_template_kwargs or {}))
+    except (ChatTemplateError, ValueError) as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    top_n = req.top_logprobs or 0
+    params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
+    gen = Generation(st, g.request_id, [ids], params)
+    created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
+
+    if not req.stream:
+        try:
+            (out,) = gen.wait()
+        finally:
+            gen.finish()
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        log_request(gen)
+        return jsonify({"id": cid, "object": "chat.completion", "created": created, "model": model,
+                        "choices": choices, "usage": gen.usage})
+
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def chunk(choices, usage=None):
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": choices}
+        if include_usage:
+            body["usage"] = usage
+        return body
+
+    def events():
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        for c in range(req.n):
+            yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None}])
+        for out in gen.updates():
+            for c in out.outputs:
+                if c.index in finished:
+                    continue
+                delta = c.text[sent_text.get(c.index, 0):]
+                if not delta and not c.finished():
+                    continue
+                lp = _chat_logprobs(c, sent_tokens.get(c.index, 0), top_n) if req.logprobs else None
+                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                if c.finished():
+                    finished.add(c.index)
+                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+        if include_usage:
+            yield chunk([], gen.usage)
+
+    return sse(events(), gen, lambda: log_request(gen))

@@ -1,0 +1,41 @@
+"""Server settings from the environment (gunicorn passes host/port itself):
+
+JAXLLM_PRESET (engine preset in configs/ or TOML path, default smollm2-cpu), JAXLLM_MODEL, JAXLLM_SERVED_MODEL_NAME,
+JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES, JAXLLM_KV_MEMORY_FRACTION, JAXLLM_TENSOR_PARALLEL_SIZE,
+JAXLLM_MAX_NUM_SEQS, JAXLLM_MAX_NUM_BATCHED_TOKENS, JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR,
+JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from jaxllm.engine.config import EngineConfig
+
+_ENGINE_ENV = {
+    "model": str, "served_model_name": str, "max_model_len": int, "num_pages": int, "kv_memory_fraction": float,
+    "tensor_parallel_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_waiting_requests": int,
+    "compilation_cache_dir": str, "dtype": str, "attn_impl": str,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    engine: EngineConfig
+    api_key: str | None = None
+    max_body_bytes: int = 10 * 2**20
+    drain_timeout_s: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
+        env = dict(os.environ if env is None else env)
+        overrides = {}
+        for name, kind in _ENGINE_ENV.items():
+            value = env.get(f"JAXLLM_{name.upper()}")
+            if value not in (None, ""):
+                overrides[name] = kind(value)
+        engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", "smollm2-cpu"), **overrides)
+        return cls(engine=engine, api_key=env.get("JAXLLM_API_KEY") or None,
+                   max_body_bytes=int(env.get("JAXLLM_MAX_BODY_BYTES", 10 * 2**20)),
+                   drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)))
