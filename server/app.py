@@ -87,9 +87,12 @@ def __getattr__(name: str):
     global _app
     if name == "app":
         if _app is None:
-            if not logging.getLogger().handlers:
-                logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
-                                    format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            root = logging.getLogger("jaxllm")  # engine, server and access logs
+            if not root.handlers:
+                handler = logging.StreamHandler()
+                handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+                root.addHandler(handler)
+                root.setLevel(os.environ.get("JAXLLM_LOG_LEVEL", "info").upper())
             _app = create_app(ServerSettings.from_env())
         return _app
     raise AttributeError(name)

@@ -31,3 +31,9 @@ def smollm2_path():
 
     return embedded_model_path()
 
+
+
+@pytest.fixture(scope="session")
+def compile_cache_dir(tmp_path_factory):
+    """One JAX persistent compilation cache for the session: engines with equal shapes compile once."""
+    return str(tmp_path_factory.mktemp("xla_cache"))

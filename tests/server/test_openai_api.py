@@ -1,0 +1,133 @@
+"""The OpenAI API over HTTP with the official client, against a real gunicorn process."""
+
+import requests
+
+from tests.server.conftest import API_KEY
+
+CHAT = [{"role": "user", "content": "Name three fruits."}]
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+def tokenize(server, **body):
+    return requests.post(server.url + "/tokenize", json=body, headers=AUTH, timeout=30).json()
+
+
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    assert requests.get(server.url + "/health", timeout=5).json() == {"status": "ok"}
+    assert requests.get(server.url + "/ping", timeout=5).status_code == 200
+    assert requests.get(server.url + "/version", timeout=5).json()["version"]
+
+
+def test_chat_non_streaming_with_usage_matching_tokenize(server, client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=40)
+    choice = r.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason in ("stop", "length")
+    assert r.usage.prompt_tokens == tokenize(server, messages=CHAT)["count"]
+    completion_ids = tokenize(server, prompt=choice.message.content, add_special_tokens=False)["tokens"]
+    # the EOS token that ended the answer is counted but not shown
+    assert r.usage.completion_tokens in (len(completion_ids), len(completion_ids) + 1)
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_streaming_matches_non_streaming(client):
+    full = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0,
+                                          max_tokens=30).choices[0].message.content
+    chunks = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0,
+                                                 max_tokens=30, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3  # really streamed
+
+
+def test_completions_streaming_and_not(client):
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The three primary colors are",
+                                  max_tokens=12, temperature=0)
+    streamed = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The three primary colors are",
+                                         max_tokens=12, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+    assert r.usage.completion_tokens == 12 and r.choices[0].finish_reason == "length"
+    echo = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hello", max_tokens=3, temperature=0,
+                                     echo=True)
+    assert echo.choices[0].text.startswith("Hello")
+
+
+def test_n_2_and_seed_reproducibility(client):
+    kw = dict(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=1.0, max_tokens=25, n=2, seed=42)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.choices[0].message.content != a.choices[1].message.content
+    c = client.chat.completions.create(**{**kw, "seed": 43})
+    assert [x.message.content for x in c.choices] != [x.message.content for x in a.choices]
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=8,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+        assert entry.logprob == entry.top_logprobs[0].logprob  # greedy: the chosen token is the top one
+    comp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Paris is", max_tokens=4,
+                                     temperature=0, logprobs=2)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert "".join(lp.tokens) == comp.choices[0].text
+
+
+def test_stop_strings(client):
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="1, 2, 3, 4, 5, 6,", max_tokens=30,
+                                  temperature=0, stop=[" 9"])
+    assert r.choices[0].finish_reason == "stop" and " 9" not in r.choices[0].text
+    assert r.choices[0].text.rstrip(",").endswith("8")
+
+
+def test_request_id_and_extras(server):
+    r = requests.post(server.url + "/v1/chat/completions", headers={**AUTH, "X-Request-Id": "abc-123"},
+                      json={"messages": CHAT, "max_tokens": 5, "top_k": 1, "min_p": 0.1, "repetition_penalty": 1.1,
+                            "min_tokens": 5, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200 and r.headers["X-Request-Id"] == "abc-123"
+    assert r.json()["id"] == "chatcmpl-abc-123" and r.json()["usage"]["completion_tokens"] == 5
+    assert requests.get(server.url + "/health", timeout=5).headers["X-Request-Id"]
+
+
+def test_detokenize_round_trip(server):
+    ids = tokenize(server, prompt="héllo wörld")["tokens"]
+    r = requests.post(server.url + "/detokenize", json={"tokens": ids}, headers=AUTH, timeout=5)
+    assert r.json()["prompt"] == "héllo wörld"
+
+
+def test_metrics_exposes_engine_and_latency(server, client):
+    client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+    m = server.metrics()
+    for name in ("jaxllm_num_requests_running", "jaxllm_num_requests_waiting", "jaxllm_kv_cache_usage_perc",
+                 "jaxllm_prompt_tokens_total", "jaxllm_generation_tokens_total",
+                 "jaxllm_time_to_first_token_seconds_count", "jaxllm_inter_token_latency_seconds_count",
+                 "jaxllm_e2e_request_latency_seconds_count"):
+        assert name in m, name
+    assert m["jaxllm_generation_tokens_total"] > 0 and m["jaxllm_e2e_request_latency_seconds_count"] > 0
+
+
+def test_greedy_chat_over_http_equals_llm_chat(server, client, compile_cache_dir):
+    from jaxllm import LLM, SamplingParams
+    from tests.server.conftest import ENGINE_ENV
+
+    messages = [{"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": "Why do cats purr?"}]
+    http = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
+                                          max_tokens=48).choices[0].message.content
+    opts = {k.removeprefix("JAXLLM_").lower(): (v if k in ("JAXLLM_DTYPE", "JAXLLM_ATTN_IMPL") else int(v))
+            for k, v in ENGINE_ENV.items()}
+    llm = LLM(compilation_cache_dir=compile_cache_dir, **opts)
+    local = llm.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0].text
+    assert http == local
