@@ -93,6 +93,7 @@ def __getattr__(name: str):
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 root.addHandler(handler)
                 root.setLevel(os.environ.get("JAXLLM_LOG_LEVEL", "info").upper())
+                root.propagate = False
             _app = create_app(ServerSettings.from_env())
         return _app
     raise AttributeError(name)

@@ -57,6 +57,7 @@ def sampling_params(req, max_tokens, logprobs):
 def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
     def body():
         try:
+            yield ": stream open\n\n"  # an SSE comment: headers go out now, before the first token
             for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
