@@ -37,3 +37,17 @@ def smollm2_path():
 def compile_cache_dir(tmp_path_factory):
     """One JAX persistent compilation cache for the session: engines with equal shapes compile once."""
     return str(tmp_path_factory.mktemp("xla_cache"))
+
+
+# One engine configuration for the in-process engine tests and the test server (tests/server/conftest.py):
+# equal shapes, so the buckets compiled once load from the session's persistent cache afterwards.
+ENGINE_OPTIONS = dict(dtype="float32", attn_impl="reference", max_num_seqs=64, max_num_batched_tokens=128,
+                      num_pages=768, max_model_len=1024)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(compile_cache_dir):
+    """One engine on the embedded SmolLM2 for the whole session (float32, 8 buckets up to 128 tokens)."""
+    from jaxllm import LLM
+
+    return LLM(compilation_cache_dir=compile_cache_dir, **ENGINE_OPTIONS)

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.conftest import ENGINE_OPTIONS
+
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
-# Shared with the in-process LLM of the parity test so it loads the same compiled buckets from the cache.
-ENGINE_ENV = {"JAXLLM_MAX_NUM_SEQS": "64", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "128", "JAXLLM_NUM_PAGES": "768",
-              "JAXLLM_MAX_MODEL_LEN": "1024", "JAXLLM_DTYPE": "float32", "JAXLLM_ATTN_IMPL": "reference"}
+ENGINE_ENV = {f"JAXLLM_{k.upper()}": str(v) for k, v in ENGINE_OPTIONS.items()}
 
 
 def free_port() -> int:
@@ -30,7 +30,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         full_env = {**os.environ, **ENGINE_ENV, **env, "JAXLLM_BIND": f"127.0.0.1:{self.port}",
-                    "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+                    "JAX_PLATFORMS": "cpu"}  # XLA_FLAGS as in the tests: compiled buckets are shared
         self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "server.app:app"], cwd=ROOT, env=full_env,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 400

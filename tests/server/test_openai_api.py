@@ -118,16 +118,14 @@ def test_metrics_exposes_engine_and_latency(server, client):
     assert m["jaxllm_generation_tokens_total"] > 0 and m["jaxllm_e2e_request_latency_seconds_count"] > 0
 
 
-def test_greedy_chat_over_http_equals_llm_chat(server, client, compile_cache_dir):
-    from jaxllm import LLM, SamplingParams
-    from tests.server.conftest import ENGINE_ENV
+def test_greedy_chat_over_http_equals_llm_chat(client, smollm2_llm):
+    """The server runs with the same engine options as the in-process smollm2_llm (tests/conftest.py)."""
+    from jaxllm import SamplingParams
 
     messages = [{"role": "system", "content": "Answer briefly."},
                 {"role": "user", "content": "Why do cats purr?"}]
     http = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
                                           max_tokens=48).choices[0].message.content
-    opts = {k.removeprefix("JAXLLM_").lower(): (v if k in ("JAXLLM_DTYPE", "JAXLLM_ATTN_IMPL") else int(v))
-            for k, v in ENGINE_ENV.items()}
-    llm = LLM(compilation_cache_dir=compile_cache_dir, **opts)
-    local = llm.chat(messages, SamplingParams(temperature=0, max_tokens=48), use_tqdm=False)[0].outputs[0].text
+    local = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=48),
+                             use_tqdm=False)[0].outputs[0].text
     assert http == local
