@@ -22,6 +22,11 @@ from jaxllm.tokenizer.tokenizer import Tokenizer
 CONFIG_FILE = "jaxllm_config.json"
 
 
+def _checkpointer() -> ocp.Checkpointer:
+    # Uncompressed: restoring is then a plain read, which is what makes it faster than re-converting a GGUF.
+    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
+
+
 def is_orbax_checkpoint(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / "params").is_dir()
 
@@ -30,8 +35,9 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
     """Saves the parameters, the config and (if given) the tokenizer in Hugging Face's file layout."""
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckpt:
-        ckpt.save(path / "params", nnx.to_pure_dict(nnx.state(model, nnx.Param)), force=True)
+    with _checkpointer() as ckpt:
+        ckpt.save(path / "params", args=ocp.args.PyTreeSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+                  force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
     if tokenizer is not None:
         tokenizer.backend.save(str(path / "tokenizer.json"))
@@ -60,9 +66,10 @@ def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
-    with ocp.StandardCheckpointer() as ckpt:
+    with _checkpointer() as ckpt:
         try:
-            restored = ckpt.restore(path / "params", target)
+            restored = ckpt.restore(path / "params", args=ocp.args.PyTreeRestore(
+                item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)))
         except Exception as e:
             raise LoadError(f"{path}: cannot restore parameters ({e})") from None
     nnx.replace_by_pure_dict(state, restored)
