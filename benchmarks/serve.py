@@ -66,9 +66,19 @@ def run(args, rate: float) -> dict:
     lock = threading.Lock()
     limit = threading.Semaphore(args.max_concurrency or len(prompts))
 
+    failures: list[str] = []
+
     def task(prompt, arrival):
-        with limit:
-            r = one_request(args.base_url, args.model, prompt, args.max_tokens, args.api_key, args.eos_id, arrival)
+        try:
+            with limit:
+                r = one_request(args.base_url, args.model, prompt, args.max_tokens, args.api_key, args.eos_id,
+                                arrival)
+            if r["chunks"] < args.max_tokens * 0.9:  # cut short: count as failed, not as fast
+                raise RuntimeError(f"stream ended after {r['chunks']} chunks")
+        except Exception as e:  # noqa: BLE001 - reported, never silently dropped
+            with lock:
+                failures.append(repr(e))
+            return
         with lock:
             results.append(r)
 
@@ -82,7 +92,8 @@ def run(args, rate: float) -> dict:
     tokens = sum(r["tokens"] for r in results)
     tpot = [(r["e2e"] - r["ttft"]) / (r["tokens"] - 1) for r in results if r["ttft"] is not None and r["tokens"] > 1]
     return {
-        "request_rate": rate, "num_prompts": len(results), "duration_s": duration,
+        "request_rate": rate, "num_prompts": len(prompts), "completed": len(results), "failed": len(failures),
+        "failures": failures[:5], "duration_s": duration,
         "request_throughput": len(results) / duration, "output_tok_s": tokens / duration,
         "ttft_s": stats([r["ttft"] for r in results if r["ttft"] is not None]), "tpot_s": stats(tpot),
         "itl_s": stats([x for r in results for x in r["itl"]]), "e2e_s": stats([r["e2e"] for r in results]),
@@ -95,7 +106,7 @@ def print_row(label: str, r: dict) -> None:
     print(f"{label:10s} rate {r['request_rate']:>5} | {r['request_throughput']:5.2f} req/s "
           f"{r['output_tok_s']:7.1f} tok/s | TTFT med {ms(r['ttft_s']):7.0f} p99 {p99(r['ttft_s']):7.0f} ms | "
           f"TPOT med {ms(r['tpot_s']):6.1f} | ITL med {ms(r['itl_s']):6.1f} p99 {p99(r['itl_s']):6.1f} | "
-          f"E2E med {r['e2e_s']['median']:6.2f} s")
+          f"E2E med {r['e2e_s']['median']:6.2f} s | {r['completed']}/{r['num_prompts']} ok")
 
 
 def plot(series: dict[str, list[dict]], path: str) -> None:
