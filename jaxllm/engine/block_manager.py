@@ -22,8 +22,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # LRU order
         self.hash_of_page: dict[int, int] = {}
         self.page_of_hash: dict[int, int] = {}
-        self.prefix_hits = 0  # tokens served from the cache, for metrics and tests
-        self.prefix_queries = 0
+        self.prefix_hits = 0  # prompt tokens served from the cache
 
     @property
     def num_free_pages(self) -> int:
@@ -61,7 +60,6 @@ class BlockManager:
         seq.block_table = list(pages)
         seq.page_hashes = [self.hash_of_page[p] for p in pages]
         seq.num_computed_tokens = seq.num_cached_tokens = len(pages) * self.page_size
-        self.prefix_queries += seq.num_tokens
         self.prefix_hits += seq.num_cached_tokens
 
     def _take(self, page: int) -> None:

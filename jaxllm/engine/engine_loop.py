@@ -45,7 +45,6 @@ class EngineLoop:
         self._stopping = False
         self.stopped = False
         self.error: str | None = None
-        self.last_step_time = time.monotonic()
         start_os_thread(self._run)
 
     @property
@@ -61,10 +60,6 @@ class EngineLoop:
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
-
-    def call(self, fn: Callable[[LLMEngine], object]) -> None:
-        """Runs fn(engine) on the engine thread, between steps."""
-        self._inbox.put(("call", fn))
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stops after the in-flight requests finish, or after drain_timeout_s (they are then aborted)."""
@@ -86,8 +81,6 @@ class EngineLoop:
                 on_output(e)
         elif kind == "abort":
             self.engine.abort_request(arg)
-        elif kind == "call":
-            arg(self.engine)
 
     def _run(self) -> None:
         try:
@@ -108,7 +101,6 @@ class EngineLoop:
                         kind = None
                 if not self._stopping and self.engine.has_unfinished_requests():
                     self.engine.step()
-                    self.last_step_time = time.monotonic()
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
         except Exception:  # the engine is dead: fail every request instead of leaving it hanging

@@ -77,7 +77,6 @@ class LLMEngine:
         # Counters for metrics.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self.on_request_finished: Callable[[Request], None] | None = None
         compile_monitor.install()
         self.warmup_seconds = 0.0
         if warmup:
@@ -227,8 +226,6 @@ class LLMEngine:
                             num_cached_tokens=request.seqs[0].num_cached_tokens)
         if finished:
             self.requests.pop(request.request_id, None)
-            if self.on_request_finished:
-                self.on_request_finished(request)
         if request.on_output:
             request.on_output(out)
         return out

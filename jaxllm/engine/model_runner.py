@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,6 @@ from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import kv_cache_sharding
 from pallas_kernels.kv_cache import allocate_kv_cache
 
-logger = logging.getLogger("jaxllm.engine")
 BIAS_WIDTH = 320  # OpenAI allows 300 logit_bias entries; the rest holds EOS/stop ids masked for min_tokens
 UINT32 = 1 << 32
 
@@ -61,7 +59,6 @@ class ModelRunner:
         self._no_history = {s: jnp.full((s, max_model_len), -1, jnp.int32) for _, s in self.buckets}
         self._no_bias = {s: (jnp.full((s, BIAS_WIDTH), -1, jnp.int32), jnp.zeros((s, BIAS_WIDTH), jnp.float32))
                          for _, s in self.buckets}
-        self.num_steps = 0
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         for t, s in self.buckets:
@@ -142,6 +139,5 @@ class ModelRunner:
         sampling = self._sampling_tensors(rows, s)
         self.caches, out = _step(self.graphdef, self.state, self.caches, ids, positions, meta, logit_rows, sampling)
         tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
-        self.num_steps += 1
         n = len(rows)
         return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
