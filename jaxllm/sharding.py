@@ -47,7 +47,3 @@ def named_sharding(mesh: Mesh, rules: dict[str, str | None], axes: tuple[str | N
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """[kv_heads, num_pages, page_size, head_dim]: each device holds its own KV heads."""
     return NamedSharding(mesh, PartitionSpec(TP_AXIS, None, None, None))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())

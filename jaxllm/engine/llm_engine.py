@@ -143,7 +143,6 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None:
             return
-        request.aborted = True
         for seq in request.seqs:
             if not seq.finished:
                 seq.finish_reason = "abort"
@@ -177,15 +176,12 @@ class LLMEngine:
         return outputs
 
     def _append_tokens(self, result: StepResult) -> list[Request]:
-        now = time.monotonic()
         touched: dict[str, Request] = {}
         for i, seq in enumerate(result.seqs):
             token = int(result.tokens[i])
             seq.token_ids.append(token)
             self.generation_tokens_total += 1
             request = seq.request
-            request.first_token_time = request.first_token_time or now
-            request.last_token_time = now
             p = seq.params
             if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
                 logprob = float(result.logprobs[i])

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import time
 from collections.abc import Callable
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -75,10 +74,6 @@ class Request:
         self.seed = seed  # the request's seed, or one drawn by the engine: sampling is reproducible per request
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
-        self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.aborted = False
 
     @property
     def finished(self) -> bool:
