@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
@@ -64,6 +65,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
     tp = mesh.shape["tp"]
+    if attn_impl == "auto" and tp > 1 and jax.default_backend() == "cpu":
+        attn_impl = "reference"  # the CPU kernel is one opaque custom call, which GSPMD cannot split by heads
     tokenizer = None
     if p.is_file():
         g = GGUFFile(p)

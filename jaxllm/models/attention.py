@@ -20,7 +20,7 @@ from jaxllm.models.layers import Linear, RMSNorm
 from jaxllm.models.rope import apply_rope
 from pallas_kernels.kv_cache import write_kv
 
-ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 
 
 def select_paged_attention(impl: str) -> Callable:
@@ -29,9 +29,12 @@ def select_paged_attention(impl: str) -> Callable:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
     backend = jax.default_backend()
     if impl == "auto":
-        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "reference")
+        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "cpu")
     if impl == "reference":
         from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+        return ragged_paged_attention
+    if impl == "cpu":  # the numba kernel for decode-shaped steps, the reference otherwise
+        from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention
         return ragged_paged_attention
     if impl == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
