@@ -24,9 +24,9 @@ from jaxllm.sharding import logical_rules, named_sharding
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], bool] | None:
-    """'model.layers.3.self_attn.q_proj.weight' -> (('layers', 3, 'self_attn', 'q_proj', 'kernel'), True)
-    where True means the tensor is stored [out, in] and must be transposed. None: not a model tensor."""
+def hf_name_to_path(name: str) -> tuple[str | int, ...] | None:
+    """'model.layers.3.self_attn.q_proj.weight' -> ('layers', 3, 'self_attn', 'q_proj', 'weight');
+    None: not a model tensor. Linear weights keep the checkpoints' [out, in] layout."""
     parts = name.split(".")
     if parts[0] == "model":
         parts = parts[1:]
@@ -34,13 +34,9 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], bool] | None:
     if not path or path[-1] not in ("weight", "bias"):
         return None
     module = path[-2] if len(path) > 1 else ""
-    if path[-1] == "bias":
-        return tuple(path), False
-    if module == "embed_tokens":
-        return tuple(path[:-1]) + ("embedding",), False
-    if isinstance(module, str) and (module.endswith("_proj") or module == "lm_head"):
-        return tuple(path[:-1]) + ("kernel",), True
-    return tuple(path), False
+    if module == "embed_tokens" and path[-1] == "weight":
+        return tuple(path[:-1]) + ("embedding",)
+    return tuple(path)
 
 
 def abstract_model(cfg: ModelConfig, dtype, attn_impl: str) -> LlamaForCausalLM:
@@ -66,23 +62,19 @@ def assemble_model(
     rules = logical_rules(cfg, mesh.shape["tp"])
     loaded: set[tuple] = set()
     for name, load, source in tensors:
-        mapped = hf_name_to_path(name)
-        if mapped is None or IGNORED.match(name):
+        path = hf_name_to_path(name)
+        if path is None or IGNORED.match(name):
             continue
-        path, transpose = mapped
-        if cfg.tie_word_embeddings and path == ("lm_head", "kernel"):
+        if cfg.tie_word_embeddings and path == ("lm_head", "weight"):
             continue  # tied checkpoints sometimes ship a copy of the embedding
         var = variables.get(path)
         if var is None:
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
         array = load()
-        if transpose:
-            array = array.T
         expected = var.get_value().shape
         if tuple(array.shape) != tuple(expected):
-            shown = tuple(reversed(array.shape)) if transpose else tuple(array.shape)
-            raise LoadError(f"{source}: tensor {name!r} has shape {shown}, but the config implies "
-                            f"{tuple(reversed(expected)) if transpose else tuple(expected)}")
+            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
+                            f"{tuple(expected)}")
         sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
         var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
         loaded.add(path)

@@ -1,8 +1,9 @@
 """Ragged paged attention on CPU through an XLA FFI custom call into the numba kernel of ``cpu_kernel``.
 
-Used for decode-shaped steps (at most one query block per sequence on average, ``block_q == 1``), where the
-jnp reference is bound by copying gathered pages; steps that bring many tokens per sequence (prefill) run the
-reference, whose blocked matmuls are faster there. Same signature and numerics as the reference.
+The CPU fast path for float32 caches (other dtypes run the jnp reference). Against the reference in a
+SmolLM2 engine step (30 layers), attention takes 74 -> 33 ms of a 32-sequence decode step and 410 -> 170 ms of a
+512-token prefill step (the reference pays for padded query blocks and for copying the gathered pages).
+Same signature and numerics as the reference.
 
 The FFI handler is a numba ``cfunc`` that reads XLA's C call frame (``xla/ffi/api/c_api.h``, API 0.x) by
 byte offsets, so no C++ toolchain is needed. Buffers are passed in place: the KV cache is never copied.
@@ -23,6 +24,7 @@ from pallas_kernels.ragged_paged_attention.reference import default_block_q
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention as reference_attention
 
 TARGET = "jaxllm_cpu_ragged_paged_attention"
+MAX_BLOCK_Q = 16
 _lock = threading.Lock()
 _registered = False
 _handler = None  # keeps the compiled cfunc (and so its address) alive
@@ -103,7 +105,7 @@ def _build_handler(parallel: bool):
         t, h, d = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2)
         kvh, pages, page_size = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2)
         num_seqs, max_pages = dim(lens_d, 0), dim(tables_d, 1)
-        params = carray(to_ptr(params_p), (3,), dtype=np.float32)  # sm_scale, sliding window, soft cap
+        params = carray(to_ptr(params_p), (4,), dtype=np.float32)  # sm_scale, sliding window, soft cap, block_q
         attend(carray(to_ptr(q_p), (t, h, d), dtype=np.float32),
                carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32),
                carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32),
@@ -111,7 +113,7 @@ def _build_handler(parallel: bool):
                carray(to_ptr(tables_p), (num_seqs, max_pages), dtype=np.int32),
                carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32),
                carray(to_ptr(out_p), (t, h, d), dtype=np.float32),
-               params[0], np.int64(params[1]), params[2], 1)
+               params[0], np.int64(params[1]), params[2], np.int64(params[3]))
         return to_ptr(0)
 
     return handler
@@ -173,12 +175,14 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [T, num_heads, head_dim]
     t, h, d = q.shape
     num_seqs = block_tables.shape[0]
-    if (default_block_q(t, num_seqs) > 1 or k_cache.dtype != jnp.float32 or not available()
+    if (k_cache.dtype != jnp.float32 or not available()
             or jax.default_backend() != "cpu"):
         return reference_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale=sm_scale,
                                    sliding_window=sliding_window, soft_cap=soft_cap)
     register()
-    params = jnp.array([sm_scale, sliding_window or 0, soft_cap or 0.0], jnp.float32)
+    # Query tokens that share a K/V page read: one for decode, up to MAX_BLOCK_Q for prefill chunks.
+    block_q = min(default_block_q(t, num_seqs), MAX_BLOCK_Q)
+    params = jnp.array([sm_scale, sliding_window or 0, soft_cap or 0.0, block_q], jnp.float32)
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((t, h, d), jnp.float32))
     out = call(params, q.astype(jnp.float32), k_cache, v_cache, kv_lens.astype(jnp.int32),
                block_tables.astype(jnp.int32), query_start_loc.astype(jnp.int32))

@@ -40,21 +40,15 @@ def _lowered(fn, case, **options):
         case.q, case.k_cache, case.v_cache, m.kv_lens, m.block_tables, m.query_start_loc).as_text()
 
 
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window", "softcap"])
-def test_decode_steps_run_the_custom_call(options):
-    case = make_case("decode", num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float32)
+def test_steps_run_the_custom_call(kind, options):
+    case = make_case(kind, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float32)
     assert cpu.TARGET in _lowered(cpu.ragged_paged_attention, case, **options)
     got = run(jax.jit(cpu.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap")),
               case, **options)
     np.testing.assert_allclose(got, naive_attention(case, **options), atol=1e-5, rtol=1e-5)
     assert np.all(got[case.num_real_tokens:] == 0)
-
-
-@pytest.mark.parametrize("kind", ["prefill", "mixed"])
-def test_prefill_steps_run_the_reference(kind):
-    case = make_case(kind, num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=np.float32)
-    assert cpu.TARGET not in _lowered(cpu.ragged_paged_attention, case)
-    np.testing.assert_allclose(run(cpu.ragged_paged_attention, case), naive_attention(case), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_cache_runs_the_reference():
