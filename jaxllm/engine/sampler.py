@@ -71,11 +71,25 @@ def _apply_filters(scaled, t: SamplingTensors):
     return jnp.where(scaled >= threshold, scaled, -jnp.inf)
 
 
+def argmax_last(x: jax.Array, block: int = 1024) -> jax.Array:
+    """jnp.argmax over the last axis of [S, V] (first index of the maximum), as two reductions: XLA:CPU
+    runs one arg-reduction over 49k columns ~7x slower than a max over [S, V/1024, 1024] blocks followed
+    by an argmax within the winning block (2.6 vs 0.36 ms for 32 rows of SmolLM2's vocabulary)."""
+    s, v = x.shape
+    if v <= block:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    padded = -(-v // block) * block
+    blocks = jnp.pad(x, ((0, 0), (0, padded - v)), constant_values=-jnp.inf).reshape(s, padded // block, block)
+    best_block = jnp.argmax(blocks.max(axis=-1), axis=-1)  # [S]
+    within = jnp.take_along_axis(blocks, best_block[:, None, None], axis=1)[:, 0]  # [S, block]
+    return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+
+
 def _draw(scaled, t: SamplingTensors):
     v = scaled.shape[-1]
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(t.seeds, t.steps)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-    return jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+    return argmax_last(scaled + gumbel)
 
 
 def _logprobs(logits, tokens):
@@ -99,7 +113,7 @@ def sample(logits: jax.Array, t: SamplingTensors):
     logits = logits.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, v)].add(t.bias_values, mode="drop")
     logits = jax.lax.cond(t.any_penalty, _apply_penalties, lambda x, _: x, logits, t)
     greedy = t.temperature <= 0
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    argmax = argmax_last(logits)
 
     def draw(logits):
         scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]

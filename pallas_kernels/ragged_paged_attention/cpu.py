@@ -25,6 +25,7 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 TARGET = "jaxllm_cpu_ragged_paged_attention"
 MAX_BLOCK_Q = 16
+PARALLEL_FROM = 4096  # (context tokens x kv heads x query tokens per sequence) of work worth two threads
 _lock = threading.Lock()
 _registered = False
 _handler = None  # keeps the compiled cfunc (and so its address) alive
@@ -38,7 +39,7 @@ def _build_handler(parallel: bool):
 
     from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_parallel, attend_serial
 
-    attend = attend_parallel if parallel else attend_serial
+    parallel_from = PARALLEL_FROM if parallel else 1 << 62
 
     def _load(bits):
         @intrinsic
@@ -106,14 +107,19 @@ def _build_handler(parallel: bool):
         kvh, pages, page_size = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2)
         num_seqs, max_pages = dim(lens_d, 0), dim(tables_d, 1)
         params = carray(to_ptr(params_p), (4,), dtype=np.float32)  # sm_scale, sliding window, soft cap, block_q
-        attend(carray(to_ptr(q_p), (t, h, d), dtype=np.float32),
-               carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32),
-               carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32),
-               carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
-               carray(to_ptr(tables_p), (num_seqs, max_pages), dtype=np.int32),
-               carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32),
-               carray(to_ptr(out_p), (t, h, d), dtype=np.float32),
-               params[0], np.int64(params[1]), params[2], np.int64(params[3]))
+        kv_lens = carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32)
+        arrays = (carray(to_ptr(q_p), (t, h, d), dtype=np.float32),
+                  carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32),
+                  carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32),
+                  kv_lens,
+                  carray(to_ptr(tables_p), (num_seqs, max_pages), dtype=np.int32),
+                  carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32),
+                  carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
+        scalars = (params[0], np.int64(params[1]), params[2], np.int64(params[3]))
+        if np.int64(kv_lens.sum()) * kvh * (t // num_seqs) >= parallel_from:
+            attend_parallel(*arrays, *scalars)
+        else:  # waking the worker threads would cost more than the work
+            attend_serial(*arrays, *scalars)
         return to_ptr(0)
 
     return handler

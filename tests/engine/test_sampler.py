@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from jaxllm.engine.sampler import SamplingTensors, _apply_penalties, sample
+from jaxllm.engine.sampler import SamplingTensors, _apply_penalties, argmax_last, sample
 
 V = 12
 
@@ -101,3 +101,12 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert int(alone[0]) == int(together[0])
     draws = [int(sample(logits[:1], tensors(1, seeds=[s], steps=[0]))[0][0]) for s in range(20)]
     assert len(set(draws)) > 5  # different seeds do sample differently
+
+
+@pytest.mark.parametrize("vocab", [7, 1024, 3000, 49152])
+def test_blocked_argmax_equals_argmax_ties_included(vocab):
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, (9, vocab)).astype(np.float32)  # many ties: the first maximum must win
+    x[0, :] = -np.inf
+    x[1, -1] = 100.0  # the maximum in the last (partial) block
+    np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x), block=1024)), np.argmax(x, axis=-1))
