@@ -1,5 +1,6 @@
-"""Times the jnp reference ragged paged attention (the CPU fast path) and reports the achieved KV-read
-bandwidth against this machine's measured memory bandwidth.
+"""Times ragged paged attention on CPU, the jnp reference and the numba kernel behind an XLA custom call
+(`attn_impl="cpu"`, the CPU default), side by side, and reports the achieved KV-read bandwidth against this
+machine's measured memory bandwidth.
 
     python benchmarks/attention.py [--rounds 5]
 
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention_metadata import AttentionMetadata
-from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import cpu, reference
+
+IMPLS = {"reference": reference.ragged_paged_attention, "cpu": cpu.ragged_paged_attention}
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 9, 3, 64, 16
 
@@ -36,7 +39,7 @@ def memory_bandwidth_gbs(rounds: int) -> float:
     return 2 * src.nbytes / statistics.median(times) / 1e9
 
 
-def bench(name: str, seqs: list[tuple[int, int]], rounds: int) -> None:
+def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> float:
     rng = np.random.default_rng(0)
     pages = [-(-ctx // PAGE) for _, ctx in seqs]
     perm = rng.permutation(sum(pages))
@@ -50,8 +53,9 @@ def bench(name: str, seqs: list[tuple[int, int]], rounds: int) -> None:
     q = jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM)), jnp.float32)
     k = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
     v = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
-    fn = jax.jit(lambda q, k, v, m: ragged_paged_attention(q, k, v, m.kv_lens, m.block_tables, m.query_start_loc,
-                                                           sm_scale=HEAD_DIM ** -0.5))
+    attention = IMPLS[impl]
+    fn = jax.jit(lambda q, k, v, m: attention(q, k, v, m.kv_lens, m.block_tables, m.query_start_loc,
+                                              sm_scale=HEAD_DIM ** -0.5))
     fn(q, k, v, meta).block_until_ready()
     times = []
     for _ in range(rounds):
@@ -60,7 +64,7 @@ def bench(name: str, seqs: list[tuple[int, int]], rounds: int) -> None:
         times.append(time.perf_counter() - start)
     sec = statistics.median(times)
     kv_bytes = 2 * sum(ctx for _, ctx in seqs) * KV_HEADS * HEAD_DIM * 4  # each sequence's K and V, once
-    print(f"{name:7s} {t:5d} tokens, {len(seqs):3d} seqs: {sec * 1e3:7.2f} ms, "
+    print(f"{impl:9s} {name:7s} {t:5d} tokens, {len(seqs):3d} seqs: {sec * 1e3:7.2f} ms, "
           f"KV read {kv_bytes / 1e6:6.1f} MB -> {kv_bytes / sec / 1e9:5.2f} GB/s")
     return kv_bytes / sec / 1e9
 
@@ -72,9 +76,10 @@ def main() -> None:
     bw = memory_bandwidth_gbs(args.rounds)
     print(f"memory bandwidth (512 MiB copy, read+write): {bw:.1f} GB/s; backend {jax.default_backend()}, "
           f"{jax.device_count()} device(s)")
-    decode = bench("decode", [(1, 1024)] * 64, args.rounds)
-    mixed = bench("mixed", [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds)
-    print(f"decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy bandwidth")
+    for impl in IMPLS:
+        decode = bench("decode", impl, [(1, 1024)] * 64, args.rounds)
+        mixed = bench("mixed", impl, [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds)
+        print(f"{impl}: decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy bandwidth")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Offline throughput on the shared peer workload (benchmarks/peer_workload.json, a copy of
 ../shared/peers/workload.json): 32 prompts of 128 tokens, 128 new tokens each, greedy, EOS ignored; and a
 single stream (prompt 0, 128 new tokens). Peers measured side by side in the same run: HF transformers
-(float32, padded batch generate) when torch is installed, and llama.cpp's Python bindings when installed.
+(float32, padded batch generate) when torch is installed, and llama.cpp's Python bindings when installed;
+each engine runs in its own process, one after the other.
 
     python benchmarks/offline.py [--rounds 2] [--no-peers] [--json out.json]
 """
@@ -11,6 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -105,17 +109,34 @@ def run_llama_cpp(workload: dict) -> dict | None:
             "note": "Q4_1 GGUF as shipped; batched figure: see ../shared/peers (llama-server, 32 slots)"}
 
 
+RUNNERS = {"jaxllm": run_jaxllm, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
+
+
+def run_isolated(name: str, rounds: int) -> dict | None:
+    """Each engine in its own process: their thread pools (XLA, numba's OpenMP, torch's OpenMP) must not share
+    the two cores or each other's settings (torch ran 6x slower after jaxllm in one process)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, __file__, "--engine", name, "--rounds", str(rounds), "--json", str(out)],
+                       check=True)
+        return json.loads(out.read_text())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--engine", choices=sorted(RUNNERS), help=argparse.SUPPRESS)  # one engine, in this process
     args = p.parse_args()
     workload = json.loads(WORKLOAD.read_text())
-    results = {"jaxllm": run_jaxllm(workload, args.rounds)}
-    if not args.no_peers:
-        results["transformers"] = run_transformers(workload)
-        results["llama.cpp"] = run_llama_cpp(workload)
+    if args.engine:
+        runner = RUNNERS[args.engine]
+        result = runner(workload, args.rounds) if args.engine == "jaxllm" else runner(workload)
+        Path(args.json).write_text(json.dumps(result))
+        return
+    names = ["jaxllm"] if args.no_peers else list(RUNNERS)
+    results = {name: run_isolated(name, args.rounds) for name in names}
     ours = results["jaxllm"]
     print(f"{'engine':14s} {'batch 32 tok/s':>15s} {'single tok/s':>13s} {'TTFT s':>8s}")
     for name, r in results.items():

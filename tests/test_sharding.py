@@ -40,3 +40,10 @@ def test_tensor_parallel_must_divide_heads(smollm2_path):
 def test_mesh_larger_than_device_count():
     with pytest.raises(ConfigError, match="needs that many devices"):
         make_mesh(len(jax.devices()) + 1)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_auto_attention_under_tensor_parallel_on_cpu_is_the_partitionable_reference(tiny_model_dir):
+    folder, _ = tiny_model_dir("qwen2_tp")
+    assert load_model(folder, dtype="float32", tensor_parallel_size=2).model.attn_impl == "reference"
+    assert load_model(folder, dtype="float32", tensor_parallel_size=1).model.attn_impl == "auto"  # -> "cpu" kernel
