@@ -25,9 +25,11 @@ def test_tensor_parallel_matches_single_device(tp, tiny_model_dir):
     ids = np.random.default_rng(1).integers(0, 1024, (2, 9))
     single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)
     lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp)
-    q_weight = lm.model.layers[0].self_attn.q_proj.weight[...]  # [out, in]
-    assert len(q_weight.sharding.device_set) == tp  # really sharded
-    assert q_weight.addressable_shards[0].data.shape == (8 * 8 // tp, 64)
+    qkv = lm.model.layers[0].self_attn.qkv_proj.weight[...]  # [(heads + 2 kv_heads) * head_dim, hidden]
+    cfg = lm.config
+    assert len(qkv.sharding.device_set) == tp  # really sharded
+    assert qkv.addressable_shards[0].data.shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp,
+                                                    cfg.hidden_size)
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 

@@ -2,7 +2,8 @@
 
 Checkpoint tensors use Hugging Face names (GGUF names are translated to them first). Each is converted
 on the host, checked against the model's expected shape, cast, and placed directly onto its devices with
-its target sharding: the host never holds more than one converted tensor.
+its target sharding: the host holds at most one converted tensor, or the parts of one fused parameter
+(q/k/v, gate/up: see `fused`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.loading.errors import LoadError
+from jaxllm.loading.fused import NUM_PARTS, PARTS, fuse, part_shapes
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import logical_rules, named_sharding
 
@@ -24,9 +26,10 @@ from jaxllm.sharding import logical_rules, named_sharding
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def hf_name_to_path(name: str) -> tuple[str | int, ...] | None:
-    """'model.layers.3.self_attn.q_proj.weight' -> ('layers', 3, 'self_attn', 'q_proj', 'weight');
-    None: not a model tensor. Linear weights keep the checkpoints' [out, in] layout."""
+def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | None:
+    """'model.layers.3.self_attn.k_proj.weight' -> (('layers', 3, 'self_attn', 'qkv_proj', 'weight'), 1): the
+    model parameter and, for a tensor the model keeps fused, which part it is (None otherwise). None: not a
+    model tensor. Linear weights keep the checkpoints' [out, in] layout."""
     parts = name.split(".")
     if parts[0] == "model":
         parts = parts[1:]
@@ -35,8 +38,11 @@ def hf_name_to_path(name: str) -> tuple[str | int, ...] | None:
         return None
     module = path[-2] if len(path) > 1 else ""
     if module == "embed_tokens" and path[-1] == "weight":
-        return tuple(path[:-1]) + ("embedding",)
-    return tuple(path)
+        return tuple(path[:-1]) + ("embedding",), None
+    if module in PARTS:
+        fused, part = PARTS[module]
+        return tuple(path[:-2]) + (fused, path[-1]), part
+    return tuple(path), None
 
 
 def abstract_model(cfg: ModelConfig, dtype, attn_impl: str) -> LlamaForCausalLM:
@@ -61,23 +67,37 @@ def assemble_model(
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     rules = logical_rules(cfg, mesh.shape["tp"])
     loaded: set[tuple] = set()
+    pending: dict[tuple, dict[int, np.ndarray]] = {}  # fused parameters still waiting for some of their parts
+
+    def put(path, var, array):
+        sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
+        var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
+        loaded.add(path)
+
     for name, load, source in tensors:
-        path = hf_name_to_path(name)
-        if path is None or IGNORED.match(name):
+        mapped = hf_name_to_path(name)
+        if mapped is None or IGNORED.match(name):
             continue
+        path, part = mapped
         if cfg.tie_word_embeddings and path == ("lm_head", "weight"):
             continue  # tied checkpoints sometimes ship a copy of the embedding
         var = variables.get(path)
         if var is None:
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
         array = load()
-        expected = var.get_value().shape
-        if tuple(array.shape) != tuple(expected):
+        shape = tuple(var.get_value().shape)
+        expected = shape if part is None else part_shapes(path[-2], cfg, shape[1:])[part]
+        if tuple(array.shape) != expected:
             raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
-                            f"{tuple(expected)}")
-        sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
-        var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
-        loaded.add(path)
+                            f"{expected}")
+        if part is None:
+            put(path, var, array)
+            continue
+        parts = pending.setdefault(path, {})
+        parts[part] = array
+        if len(parts) == NUM_PARTS[path[-2]]:
+            put(path, var, fuse(path[-2], [parts[i] for i in range(len(parts))], cfg))
+            del pending[path]
     missing = [".".join(map(str, p)) for p in variables if p not in loaded]
     if missing:
         raise LoadError(f"checkpoint is missing {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}")

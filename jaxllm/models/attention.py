@@ -23,8 +23,19 @@ from pallas_kernels.kv_cache import write_kv
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 
 
+def _write_then(attention: Callable) -> Callable:
+    """A kernel that only reads the cache, preceded by the scatter of the step's K/V into it."""
+    def step(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, **options):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+        out = attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, **options)
+        return out, k_cache, v_cache
+    return step
+
+
 def select_paged_attention(impl: str) -> Callable:
-    """The ragged paged attention function for `impl` ("auto" picks by the default backend)."""
+    """The paged attention step for `impl` ("auto" picks by the default backend):
+    ``(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *, sm_scale,
+    sliding_window) -> (out, k_cache, v_cache)``: writes the step's K/V into the cache, then attends."""
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
     backend = jax.default_backend()
@@ -32,17 +43,17 @@ def select_paged_attention(impl: str) -> Callable:
         impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "cpu")
     if impl == "reference":
         from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-        return ragged_paged_attention
-    if impl == "cpu":  # the numba kernel for decode-shaped steps, the reference otherwise
-        from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention
-        return ragged_paged_attention
+        return _write_then(ragged_paged_attention)
+    if impl == "cpu":  # one custom call writes the cache in place and attends
+        from pallas_kernels.ragged_paged_attention.cpu import write_and_attend
+        return write_and_attend
     if impl == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
     else:
         from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
     # Away from its hardware a kernel runs in Pallas' interpreter (how the CPU test suite runs them).
     native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[impl]
-    return functools.partial(ragged_paged_attention, interpret=backend != native)
+    return _write_then(functools.partial(ragged_paged_attention, interpret=backend != native))
 
 
 def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None):
@@ -65,13 +76,13 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         e, d = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.group = cfg.num_heads // cfg.num_kv_heads
         self.sliding_window = cfg.sliding_window
-        self.q_proj = Linear(e, cfg.num_heads * d, ("embed", "q_heads"), bias=cfg.attention_bias, dtype=dtype,
-                             rngs=rngs)
-        self.k_proj = Linear(e, cfg.num_kv_heads * d, ("embed", "kv_heads"), bias=cfg.attention_bias,
-                             dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(e, cfg.num_kv_heads * d, ("embed", "kv_heads"), bias=cfg.attention_bias,
-                             dtype=dtype, rngs=rngs)
+        # q, k and v in one matmul (fewer, larger matmuls run closer to memory bandwidth on CPU). Rows are
+        # grouped by KV head, [kv_heads, group + 2, head_dim] (the group's q heads, then its k, then its v), so
+        # splitting the rows by KV head for tensor parallelism splits q, k and v alike, whatever the tp size.
+        self.qkv_proj = Linear(e, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, ("embed", "kv_heads"),
+                               bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
         self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
@@ -81,9 +92,9 @@ class Attention(nnx.Module):
 
     def _qkv(self, x, cos, sin):
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(*lead, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).reshape(*lead, self.num_kv_heads, self.group + 2, self.head_dim)
+        q = qkv[..., :self.group, :].reshape(*lead, self.num_heads, self.head_dim)
+        k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]  # [..., kv_heads, head_dim]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
@@ -98,7 +109,7 @@ class Attention(nnx.Module):
     def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable):
         """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv)."""
         q, k, v = self._qkv(x, cos, sin)
-        k_cache, v_cache = write_kv(kv[0], kv[1], k, v, meta.slot_mapping)
-        out = attn_fn(q, k_cache, v_cache, meta.kv_lens, meta.block_tables, meta.query_start_loc,
-                      sm_scale=self.head_dim ** -0.5, sliding_window=self.sliding_window)
+        out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
+                                        meta.query_start_loc, sm_scale=self.head_dim ** -0.5,
+                                        sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(x.shape[0], -1)), (k_cache, v_cache)

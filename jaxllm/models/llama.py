@@ -26,12 +26,14 @@ KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [kv_heads, num_pages, 
 class MLP(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
         e, f = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(e, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(e, f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        # gate and up in one matmul, rows interleaved [mlp, 2] (gate_i, up_i): a tensor-parallel split of the
+        # rows keeps each gate row with its up row, whatever the tp size.
+        self.gate_up_proj = Linear(e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], -1, 2)  # [..., mlp, 2]
+        return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
 
 
 class DecoderLayer(nnx.Module):

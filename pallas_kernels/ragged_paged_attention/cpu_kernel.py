@@ -110,6 +110,20 @@ def _attend(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm
                     out[tok, head, x] = acc[r, x] * inv
 
 
+@numba.njit(nogil=True, boundscheck=False, cache=True)
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """k, v [T, KVH, D] into the caches [KVH, P, page, D] at flat slots (negative: a padding token)."""
+    page_size = k_cache.shape[2]
+    for t in range(slot_mapping.shape[0]):
+        slot = slot_mapping[t]
+        if slot < 0:
+            continue
+        page, offset = slot // page_size, slot % page_size
+        for h in range(k_cache.shape[0]):
+            k_cache[h, page, offset] = k[t, h]
+            v_cache[h, page, offset] = v[t, h]
+
+
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 attend_parallel = numba.njit(parallel=True, **_KW)(_attend)
 attend_serial = numba.njit(**_KW)(_attend)

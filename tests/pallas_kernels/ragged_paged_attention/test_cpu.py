@@ -1,15 +1,22 @@
-"""The numba CPU kernel (direct and through its XLA FFI custom call) against a naive dense attention."""
+"""The numba CPU kernel, directly and through its XLA FFI custom call (cache write + attention), against a
+naive dense attention."""
+
+import dataclasses
+import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.models.attention import select_paged_attention
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_parallel, attend_serial
-from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case, run
+from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
 from tests.pallas_kernels.ragged_paged_attention.test_reference import naive_attention
 
 OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
+OPTION_IDS = ["plain", "window", "softcap"]
 
 
 def _direct(kernel, case, block_q, sliding_window=None, soft_cap=None):
@@ -25,7 +32,7 @@ def _direct(kernel, case, block_q, sliding_window=None, soft_cap=None):
 @pytest.mark.parametrize("kernel", [attend_serial, attend_parallel], ids=["serial", "parallel"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("block_q", [1, 4])
-@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window", "softcap"])
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 def test_kernel_matches_naive_dense(kernel, kind, block_q, options):
     case = make_case(kind, num_heads=6, num_kv_heads=2, head_dim=32, page_size=8, dtype=np.float32)
     got = _direct(kernel, case, block_q, **options)
@@ -33,24 +40,50 @@ def test_kernel_matches_naive_dense(kernel, kind, block_q, options):
     assert np.all(got[case.num_real_tokens:] == 0)
 
 
-def _lowered(fn, case, **options):
+def _step(impl, case, **options):
+    """Writes fresh K/V for the step's tokens, then attends: -> (out, k_cache, v_cache) and the case with the
+    expected caches (the new K/V written in numpy)."""
     m = case.meta
-    return jax.jit(lambda q, k, v, lens, tables, starts: fn(q, k, v, lens, tables, starts,
-                                                              sm_scale=0.125, **options)).lower(
-        case.q, case.k_cache, case.v_cache, m.kv_lens, m.block_tables, m.query_start_loc).as_text()
+    t, kvh, d = case.q.shape[0], case.k_cache.shape[0], case.q.shape[-1]
+    rng = np.random.default_rng(7)
+    k_new, v_new = (rng.standard_normal((t, kvh, d)).astype(np.float32) for _ in range(2))
+    expected_k, expected_v = np.array(case.k_cache), np.array(case.v_cache)
+    page_size = expected_k.shape[2]
+    for tok, slot in enumerate(np.asarray(m.slot_mapping)):
+        if slot >= 0:
+            expected_k[:, slot // page_size, slot % page_size] = k_new[tok]
+            expected_v[:, slot // page_size, slot % page_size] = v_new[tok]
+    step = jax.jit(functools.partial(select_paged_attention(impl), sm_scale=d ** -0.5, **options),
+                   donate_argnums=(3, 4))
+    got = step(case.q, jnp.asarray(k_new), jnp.asarray(v_new), jnp.array(case.k_cache), jnp.array(case.v_cache),
+               m.slot_mapping, m.kv_lens, m.block_tables, m.query_start_loc)
+    expected_case = dataclasses.replace(case, k_cache=jnp.asarray(expected_k), v_cache=jnp.asarray(expected_v))
+    return [np.asarray(x) for x in got], expected_case
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "window", "softcap"])
-def test_steps_run_the_custom_call(kind, options):
+@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
+def test_custom_call_writes_the_cache_then_attends(kind, options):
     case = make_case(kind, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float32)
-    assert cpu.TARGET in _lowered(cpu.ragged_paged_attention, case, **options)
-    got = run(jax.jit(cpu.ragged_paged_attention, static_argnames=("sm_scale", "sliding_window", "soft_cap")),
-              case, **options)
-    np.testing.assert_allclose(got, naive_attention(case, **options), atol=1e-5, rtol=1e-5)
-    assert np.all(got[case.num_real_tokens:] == 0)
+    (out, k_cache, v_cache), expected = _step("cpu", case, **options)
+    np.testing.assert_array_equal(k_cache, np.asarray(expected.k_cache))  # NaN pages untouched, new K/V in place
+    np.testing.assert_array_equal(v_cache, np.asarray(expected.v_cache))
+    np.testing.assert_allclose(out, naive_attention(expected, **options), atol=1e-5, rtol=1e-5)
+    assert np.all(out[case.num_real_tokens:] == 0)
+    reference, _ = _step("reference", case, **options)  # the same step through the jnp path
+    np.testing.assert_allclose(out, reference[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(k_cache, reference[1])
 
 
-def test_bfloat16_cache_runs_the_reference():
-    case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=jax.numpy.bfloat16)
-    assert cpu.TARGET not in _lowered(cpu.ragged_paged_attention, case)
+def _lowered(dtype):
+    case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=16, page_size=4, dtype=dtype)
+    m = case.meta
+    k = jnp.zeros((case.q.shape[0], 2, 16), dtype)
+    return jax.jit(functools.partial(cpu.write_and_attend, sm_scale=0.25)).lower(
+        case.q, k, k, case.k_cache, case.v_cache, m.slot_mapping, m.kv_lens, m.block_tables,
+        m.query_start_loc).as_text()
+
+
+def test_float32_runs_the_custom_call_and_bfloat16_the_reference():
+    assert cpu.TARGET in _lowered(jnp.float32)
+    assert cpu.TARGET not in _lowered(jnp.bfloat16)
