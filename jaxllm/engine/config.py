@@ -23,7 +23,7 @@ class EngineConfig:
     # KV cache
     page_size: int = 16
     num_pages: int | None = None  # explicit page count; else sized from kv_memory_fraction
-    kv_memory_fraction: float = 0.2  # of free host RAM (CPU) or of device memory left after weights
+    kv_memory_fraction: float = 0.2  # of total host RAM (CPU) or of device memory left after weights
     max_model_len: int | None = None  # default: the model's context length, capped by the KV cache
     # Scheduling
     max_num_seqs: int = 64

@@ -41,12 +41,24 @@ def enable_compilation_cache(path: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
-def _free_memory_bytes() -> int:
+def _kv_budget_bytes(fraction: float) -> int:
+    """The KV cache's memory: on CPU a fraction of *total* RAM, so the page count (a compiled shape) is the
+    same from one start to the next and the persistent compilation cache hits (free RAM drifts by tens of MB
+    between starts); only when that would not fit in the RAM free now, a fraction of the free RAM. On an
+    accelerator, a fraction of the device memory left after the weights."""
     device = jax.devices()[0]
     if device.platform == "cpu":
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        page = os.sysconf("SC_PAGE_SIZE")
+        total, free = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
+        budget = int(total * fraction)
+        if budget > 0.9 * free:
+            logger.warning("kv_memory_fraction %.2f of RAM (%.1f GiB) exceeds the free RAM (%.1f GiB): using %.2f of "
+                           "the free RAM; the page count will vary between starts", fraction, budget / 2**30,
+                           free / 2**30, fraction)
+            budget = int(free * fraction)
+        return budget
     stats = device.memory_stats() or {}
-    return int(stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0))
+    return int((stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) * fraction)
 
 
 class LLMEngine:
@@ -93,7 +105,7 @@ class LLMEngine:
     def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
         c, cfg = self.config, model.config
         page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * model.dtype(0).itemsize
-        num_pages = c.num_pages or max(2, int(_free_memory_bytes() * c.kv_memory_fraction) // page_bytes)
+        num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
         max_len = min(c.max_model_len or cfg.max_position_embeddings, num_pages * c.page_size)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "
                     "maximum concurrency at max_model_len: %.1f", num_pages, c.page_size, num_pages * c.page_size,
