@@ -56,10 +56,10 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> flo
     # The engine's step: this step's K/V written into the (donated) cache, then attention. Here the written
     # slots are all padding (-1), so the timing is the attention's.
     step = select_paged_attention(impl)
-    fn = jax.jit(lambda q, k, v, m: step(q, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,
-                                         sm_scale=HEAD_DIM ** -0.5), donate_argnums=(1, 2))
     new = jnp.zeros((t, KV_HEADS, HEAD_DIM), jnp.float32)
     no_slots = jnp.full((t,), -1, jnp.int32)
+    fn = jax.jit(lambda q, k, v, m: step(q, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,
+                                         sm_scale=HEAD_DIM ** -0.5), donate_argnums=(1, 2))
     out, k, v = fn(q, k, v, meta)
     times = []
     for _ in range(rounds):

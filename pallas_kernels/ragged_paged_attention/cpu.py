@@ -13,7 +13,6 @@ byte offsets, so no C++ toolchain is needed. Buffers are passed in place: the KV
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 import threading
 
@@ -165,16 +164,6 @@ def register() -> None:
         _registered = True
 
 
-@functools.cache
-def available() -> bool:
-    """True where numba is installed (it is a dependency; this guards a trimmed environment)."""
-    try:
-        import numba  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def write_and_attend(
     q: jax.Array,  # [T, num_heads, head_dim]
     k: jax.Array,  # [T, kv_heads, head_dim]: this step's keys, written into the cache first
@@ -192,7 +181,7 @@ def write_and_attend(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
     """One custom call writes the step's K/V into the caches in place (outputs aliased to the donated cache
     inputs: no copy, and no per-layer scatter ops) and attends."""
-    if k_cache.dtype != jnp.float32 or not available() or jax.default_backend() != "cpu":
+    if k_cache.dtype != jnp.float32 or jax.default_backend() != "cpu":
         k_cache, v_cache = write_kv_reference(k_cache, v_cache, k, v, slot_mapping)
         out = reference_attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, sm_scale=sm_scale,
                                   sliding_window=sliding_window, soft_cap=soft_cap)
