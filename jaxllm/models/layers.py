@@ -3,9 +3,26 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+MATMUL_IMPLS = ("auto", "reference", "cpu")
+
+
+def select_matmul(impl: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """``(x [..., in], w [out, in]) -> [..., out]`` for `impl`: "reference" is XLA's dot; "cpu" is the CPU
+    kernel for matmuls of few rows (`pallas_kernels.skinny_matmul.cpu`; it runs XLA's dot itself for more
+    rows or other dtypes); "auto" picks "cpu" on the CPU backend."""
+    if impl not in MATMUL_IMPLS:
+        raise ValueError(f"unknown matmul implementation {impl!r}; choose one of {MATMUL_IMPLS}")
+    if impl == "cpu" or (impl == "auto" and jax.default_backend() == "cpu"):
+        from pallas_kernels.skinny_matmul.cpu import matmul
+        return matmul
+    from pallas_kernels.skinny_matmul.reference import matmul
+    return matmul
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | None):
@@ -20,7 +37,8 @@ def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | Non
 class Linear(nnx.Module):
     """y = x W^T + b with W stored [out, in], as checkpoints ship it. XLA:CPU also runs this contraction
     faster than x @ W[in, out] for 16+ rows (decode batches, prefill): 53 vs 66 ms for a SmolLM2 forward of
-    32 tokens (`benchmarks/offline.py` figures in the README)."""
+    32 tokens (`benchmarks/offline.py` figures in the README). ``matmul_impl`` (set by the model, see
+    `select_matmul`) picks the kernel."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
                  bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None):
@@ -28,9 +46,10 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype, in_features ** -0.5),  # [out, in]
                                 axes=(axes[1], axes[0]))
         self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
+        self.matmul_impl = "auto"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = jax.lax.dot_general(x, self.weight[...], (((x.ndim - 1,), (1,)), ((), ())))  # [..., out]
+        y = select_matmul(self.matmul_impl)(x, self.weight[...])  # [..., out]
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -49,10 +68,11 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype, 0.02), axes=("vocab", "embed"))  # [vocab, embed]
+        self.matmul_impl = "auto"
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
-        """Tied LM head: x [..., embed] -> logits [..., vocab]."""
-        return x @ self.embedding[...].T
+        """Tied LM head: x [..., embed] -> logits [..., vocab] (the embedding is the head's [out, in] weight)."""
+        return select_matmul(self.matmul_impl)(x, self.embedding[...])

@@ -17,7 +17,7 @@ from flax import nnx
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.attention import Attention, select_paged_attention
-from jaxllm.models.layers import Embed, Linear, RMSNorm
+from jaxllm.models.layers import Embed, Linear, RMSNorm, select_matmul
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
 
 KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [kv_heads, num_pages, page_size, head_dim] x 2
@@ -50,9 +50,10 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto",
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", matmul_impl: str = "auto",
                  rngs: nnx.Rngs | None = None):
-        """rngs: random initialisation; None builds shapes only, for a loader to fill in."""
+        """rngs: random initialisation; None builds shapes only, for a loader to fill in. attn_impl and
+        matmul_impl pick the kernels (`select_paged_attention`, `select_matmul`)."""
         self.config = cfg
         self.dtype = dtype
         self.attn_impl = attn_impl
@@ -62,6 +63,15 @@ class LlamaForCausalLM(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        self.set_matmul_impl(matmul_impl)
+
+    def set_matmul_impl(self, impl: str) -> None:
+        """Points every linear layer (and the tied LM head) at the matmul kernel `impl`."""
+        select_matmul(impl)  # fail early on a bad name
+        self.matmul_impl = impl
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, (Linear, Embed)):
+                module.matmul_impl = impl
 
     def _rope(self, positions: jax.Array):
         # Frequencies are trace-time numpy constants, not parameters.

@@ -4,8 +4,8 @@ place.
 XLA:CPU runs the jnp reference as "gather the pages into a temporary, then batched matmuls"; for decode the
 matmuls are tiny (``group x head_dim`` by ``head_dim x block``) and the gathered copy is written and read
 again, so a decode step spends ~3x the KV bytes in memory traffic. This kernel walks each sequence's block
-table and folds one page at a time into an online softmax, with (sequence, kv head) work items spread over
-the cores by ``numba.prange``.
+table and folds one page at a time into an online softmax. Work items are (sequence, KV head, block of query
+tokens), shared between the calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`).
 
 Numerics match the reference (float32 accumulation, the same online-softmax algebra).
 """
@@ -16,11 +16,17 @@ import math
 
 import numba
 import numpy as np
+from numba import carray
+
+from pallas_kernels.cpu_ffi import load64, to_ptr
 
 NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
 
 
-@numba.njit(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True, inline="always")
+_KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
+
+
+@numba.njit(inline="always", **_KW)
 def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, window, soft_cap):  # noqa: E741
     """Folds one page (``kp``/``vp`` [page_size, D]) into the running softmax of ``rows`` query rows."""
     page_size, d = kp.shape
@@ -62,55 +68,74 @@ def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, windo
         l[r] = total
 
 
-def _attend(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-            block_q):
-    """q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"."""
-    t, h, d = q.shape
+@numba.njit(**_KW)
+def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
+                 block_q, s, kh, b0):
+    """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, the q heads of KV head ``kh``.
+    q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"."""
+    h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
     group = h // kvh
+    q0 = query_start_loc[s]
+    q_len = query_start_loc[s + 1] - q0
+    ctx = kv_lens[s]
+    nq = min(block_q, q_len - b0)
+    rows = nq * group
+    qs = np.empty((rows, d), np.float32)  # pre-scaled queries
+    acc = np.zeros((rows, d), np.float32)
+    m = np.full(rows, NEG, np.float32)
+    l = np.zeros(rows, np.float32)  # noqa: E741
+    sc = np.empty((rows, page_size), np.float32)
+    first = ctx - q_len + b0  # position of the block's first query token
+    last = first + nq - 1
+    for r in range(rows):
+        tok = q0 + b0 + r // group
+        head = kh * group + r % group
+        for x in range(d):
+            qs[r, x] = q[tok, head, x] * sm_scale
+    start = max(0, first - window + 1) if window > 0 else 0
+    for pi in range(start // page_size, last // page_size + 1):
+        page = block_tables[s, pi]
+        _fold_page(qs, acc, m, l, sc, k_cache[kh, page], v_cache[kh, page], rows, group, pi * page_size, start,
+                   first, window, soft_cap)
+    for r in range(rows):
+        tok = q0 + b0 + r // group
+        head = kh * group + r % group
+        inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
+        for x in range(d):
+            out[tok, head, x] = acc[r, x] * inv
+
+
+@numba.njit(**_KW)
+def plan(kv_lens, query_start_loc, kvh, block_q, out):
+    """The step's work items, (sequence, KV head, first query token of the block) [n, 3], costliest first so
+    that threads sharing them finish together; zeroes the output rows no item writes (padding tokens)."""
     num_seqs = kv_lens.shape[0]
-    out[:] = 0.0  # padding tokens and empty sequences
-    for item in numba.prange(num_seqs * kvh):
-        s = item // kvh
-        kh = item - s * kvh
-        q0 = query_start_loc[s]
-        q_len = query_start_loc[s + 1] - q0
-        ctx = kv_lens[s]
-        if q_len <= 0 or ctx <= 0:
+    n = 0
+    for s in range(num_seqs):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        if q_len > 0 and kv_lens[s] > 0:
+            n += (q_len + block_q - 1) // block_q * kvh
+        elif q_len > 0:
+            out[query_start_loc[s]:query_start_loc[s + 1]] = 0.0
+    out[max(0, query_start_loc[num_seqs]):] = 0.0
+    work = np.empty((n, 3), np.int64)
+    cost = np.empty(n, np.int64)
+    i = 0
+    for s in range(num_seqs):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        if q_len <= 0 or kv_lens[s] <= 0:
             continue
-        rows_max = block_q * group
-        qs = np.empty((rows_max, d), np.float32)  # [block_q * group, D], pre-scaled queries
-        acc = np.empty((rows_max, d), np.float32)
-        m = np.empty(rows_max, np.float32)
-        l = np.empty(rows_max, np.float32)  # noqa: E741
-        sc = np.empty((rows_max, page_size), np.float32)
         for b0 in range(0, q_len, block_q):
-            nq = min(block_q, q_len - b0)
-            rows = nq * group
-            first = ctx - q_len + b0  # position of the block's first query token
-            last = first + nq - 1
-            for r in range(rows):
-                tok = q0 + b0 + r // group
-                head = kh * group + r % group
-                for x in range(d):
-                    qs[r, x] = q[tok, head, x] * sm_scale
-                    acc[r, x] = 0.0
-                m[r] = NEG
-                l[r] = 0.0
-            start = max(0, first - window + 1) if window > 0 else 0
-            for pi in range(start // page_size, last // page_size + 1):
-                page = block_tables[s, pi]
-                _fold_page(qs, acc, m, l, sc, k_cache[kh, page], v_cache[kh, page], rows, group,
-                           pi * page_size, start, first, window, soft_cap)
-            for r in range(rows):
-                tok = q0 + b0 + r // group
-                head = kh * group + r % group
-                inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
-                for x in range(d):
-                    out[tok, head, x] = acc[r, x] * inv
+            c = min(block_q, q_len - b0) * (kv_lens[s] - q_len + b0 + block_q)  # query rows x keys (about)
+            for kh in range(kvh):
+                work[i, 0], work[i, 1], work[i, 2] = s, kh, b0
+                cost[i] = c
+                i += 1
+    return work[np.argsort(-cost)]
 
 
-@numba.njit(nogil=True, boundscheck=False, cache=True)
+@numba.njit(**_KW)
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """k, v [T, KVH, D] into the caches [KVH, P, page, D] at flat slots (negative: a padding token)."""
     page_size = k_cache.shape[2]
@@ -124,6 +149,33 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
             v_cache[h, page, offset] = v[t, h]
 
 
-_KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
-attend_parallel = numba.njit(parallel=True, **_KW)(_attend)
-attend_serial = numba.njit(**_KW)(_attend)
+@numba.njit(**_KW)
+def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
+                  block_q):
+    """Every work item on the calling thread (tests, and the reference for the threaded runs)."""
+    work = plan(kv_lens, query_start_loc, k_cache.shape[0], block_q, out)
+    for i in range(work.shape[0]):
+        attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
+                     block_q, work[i, 0], work[i, 1], work[i, 2])
+
+
+@numba.njit(**_KW)
+def run_chunk(words, chunk):
+    """Work item ``chunk`` of a launch; the words are the addresses of q, the caches, kv_lens, block_tables,
+    query_start_loc, out, the plan and the scalar parameters, then T, H, D, KVH, pages, page size, sequences and
+    pages per sequence."""
+    t, h, d, kvh = load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96)
+    pages, page_size, num_seqs, max_pages = (load64(words + 104), load64(words + 112), load64(words + 120),
+                                             load64(words + 128))
+    f32, i32 = np.float32, np.int32
+    q = carray(to_ptr(load64(words)), (t, h, d), dtype=f32)
+    k_cache = carray(to_ptr(load64(words + 8)), (kvh, pages, page_size, d), dtype=f32)
+    v_cache = carray(to_ptr(load64(words + 16)), (kvh, pages, page_size, d), dtype=f32)
+    kv_lens = carray(to_ptr(load64(words + 24)), (num_seqs,), dtype=i32)
+    block_tables = carray(to_ptr(load64(words + 32)), (num_seqs, max_pages), dtype=i32)
+    query_start_loc = carray(to_ptr(load64(words + 40)), (num_seqs + 1,), dtype=i32)
+    out = carray(to_ptr(load64(words + 48)), (t, h, d), dtype=f32)
+    work = carray(to_ptr(load64(words + 56)), (chunk + 1, 3), dtype=np.int64)
+    params = carray(to_ptr(load64(words + 64)), (4,), dtype=f32)  # sm_scale, sliding window, soft cap, block_q
+    attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, params[0], np.int64(params[1]),
+                 params[2], np.int64(params[3]), work[chunk, 0], work[chunk, 1], work[chunk, 2])

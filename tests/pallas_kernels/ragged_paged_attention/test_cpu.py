@@ -1,5 +1,5 @@
-"""The numba CPU kernel, directly and through its XLA FFI custom call (cache write + attention), against a
-naive dense attention."""
+"""The numba CPU kernel, directly (every work item on the calling thread) and through its XLA FFI custom call
+(cache write + attention, work items shared with XLA's thread pool), against a naive dense attention."""
 
 import dataclasses
 import functools
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxllm.models.attention import select_paged_attention
+from pallas_kernels.cpu_ffi import busy_slots
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_parallel, attend_serial
+from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_serial
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
 from tests.pallas_kernels.ragged_paged_attention.test_reference import naive_attention
 
@@ -19,23 +20,22 @@ OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
 OPTION_IDS = ["plain", "window", "softcap"]
 
 
-def _direct(kernel, case, block_q, sliding_window=None, soft_cap=None):
+def _direct(case, block_q, sliding_window=None, soft_cap=None):
     m = case.meta
     q = np.asarray(case.q)
     out = np.full_like(q, np.nan)  # every element must be written, padding rows included
-    kernel(q, np.asarray(case.k_cache), np.asarray(case.v_cache), np.asarray(m.kv_lens),
+    attend_serial(q, np.asarray(case.k_cache), np.asarray(case.v_cache), np.asarray(m.kv_lens),
            np.asarray(m.block_tables), np.asarray(m.query_start_loc), out, np.float32(q.shape[-1] ** -0.5),
            sliding_window or 0, np.float32(soft_cap or 0.0), block_q)
     return out
 
 
-@pytest.mark.parametrize("kernel", [attend_serial, attend_parallel], ids=["serial", "parallel"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("block_q", [1, 4])
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-def test_kernel_matches_naive_dense(kernel, kind, block_q, options):
+def test_kernel_matches_naive_dense(kind, block_q, options):
     case = make_case(kind, num_heads=6, num_kv_heads=2, head_dim=32, page_size=8, dtype=np.float32)
-    got = _direct(kernel, case, block_q, **options)
+    got = _direct(case, block_q, **options)
     np.testing.assert_allclose(got, naive_attention(case, **options), atol=1e-5, rtol=1e-5)
     assert np.all(got[case.num_real_tokens:] == 0)
 
@@ -73,6 +73,7 @@ def test_custom_call_writes_the_cache_then_attends(kind, options):
     reference, _ = _step("reference", case, **options)  # the same step through the jnp path
     np.testing.assert_allclose(out, reference[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(k_cache, reference[1])
+    assert busy_slots() == 0  # every launch released its slot
 
 
 def _lowered(dtype):

@@ -1,0 +1,71 @@
+"""The CPU skinny-matmul kernel: a numba loop nest over blocks of 4 weight rows.
+
+Each weight row is read from memory once: the 4 rows (at most 4 x 1536 floats, in L1) are dotted with every
+one of the T input rows before moving on, with 4 independent accumulators so the loads stream. Each output
+element is one fixed-order (vectorised) dot product of one weight row and one input row, so a row's result
+does not depend on T or on how the rows are split between threads."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import carray
+
+from pallas_kernels.cpu_ffi import load64, to_ptr
+
+_KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
+
+
+@numba.njit(inline="always", **_KW)
+def _rows4(x, w, y, r):
+    n = w.shape[1]
+    for tok in range(x.shape[0]):
+        a0 = np.float32(0.0)
+        a1 = np.float32(0.0)
+        a2 = np.float32(0.0)
+        a3 = np.float32(0.0)
+        for i in range(n):
+            xi = x[tok, i]
+            a0 += w[r, i] * xi
+            a1 += w[r + 1, i] * xi
+            a2 += w[r + 2, i] * xi
+            a3 += w[r + 3, i] * xi
+        y[tok, r] = a0
+        y[tok, r + 1] = a1
+        y[tok, r + 2] = a2
+        y[tok, r + 3] = a3
+
+
+@numba.njit(inline="always", **_KW)
+def _row(x, w, y, r):
+    for tok in range(x.shape[0]):
+        a = np.float32(0.0)
+        for i in range(w.shape[1]):
+            a += w[r, i] * x[tok, i]
+        y[tok, r] = a
+
+
+@numba.njit(**_KW)
+def matmul_rows(x, w, y, r0, r1):
+    """y[:, r0:r1] = x @ w[r0:r1].T; x [T, in], w [out, in], y [T, out]; r0 a multiple of 4."""
+    r = r0
+    while r + 4 <= r1:
+        _rows4(x, w, y, r)
+        r += 4
+    while r < r1:
+        _row(x, w, y, r)
+        r += 1
+
+
+ROWS_PER_CHUNK = 64  # 64 x 576 floats = 147 KB of weights a chunk: fine-grained enough to balance two threads
+
+
+@numba.njit(**_KW)
+def run_chunk(words, chunk):
+    """One chunk of output rows; the words are (x, w, y addresses, T, in, out)."""
+    t, n, o = load64(words + 24), load64(words + 32), load64(words + 40)
+    x = carray(to_ptr(load64(words)), (t, n), dtype=np.float32)
+    w = carray(to_ptr(load64(words + 8)), (o, n), dtype=np.float32)
+    y = carray(to_ptr(load64(words + 16)), (t, o), dtype=np.float32)
+    r0 = chunk * ROWS_PER_CHUNK
+    matmul_rows(x, w, y, r0, min(o, r0 + ROWS_PER_CHUNK))
