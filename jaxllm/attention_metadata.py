@@ -1,7 +1,9 @@
 """What the engine tells the model about one step's flat batch of tokens: where each sequence's queries
 sit in the batch, how long its context is, where its KV pages are, and where the new KV goes.
 
-It is a pytree of arrays, passed explicitly into the jitted step; the model holds no request state.
+It is a pytree of arrays, passed explicitly into the jitted step; the model holds no request state. `build`
+returns host (numpy) arrays: the jitted step transfers them with its other arguments, which costs less than
+four separate device puts (~0.5 ms of host time a step).
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 
@@ -57,4 +58,4 @@ class AttentionMetadata:
             t += q
             qsl[i + 1] = t
         qsl[n + 1:] = t
-        return cls(jnp.asarray(slots), jnp.asarray(tables), jnp.asarray(kv_lens), jnp.asarray(qsl))
+        return cls(slots, tables, kv_lens, qsl)

@@ -82,6 +82,19 @@ def load_acquire(typingctx, addr):
 
 
 @intrinsic
+def prefetch(typingctx, addr):
+    """Hints the cache line at ``addr`` into the caches (read, high locality); never faults."""
+    def codegen(context, builder, sig, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        read, keep, data_cache = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
+        builder.call(fn, [builder.inttoptr(args[0], i8p), read, keep, data_cache])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@intrinsic
 def call_c(typingctx, fn, arg):
     """Calls the C function at address ``fn`` as ``void *fn(void *arg)``; returns its result as an int."""
     def codegen(context, builder, sig, args):
@@ -223,6 +236,11 @@ def register(target: str, handler) -> None:
                                 platform="cpu")
 
 
-def busy_slots() -> int:
-    """Slots still referenced (0 when no launch or late task is in flight): a leak check for tests."""
+def busy_slots(settle_s: float = 1.0) -> int:
+    """Slots still referenced once in-flight work settles (a helper task may start, find nothing left, and
+    drop its reference just after its launch returned): a leak check for tests."""
+    import time
+    deadline = time.monotonic() + settle_s
+    while np.count_nonzero(_slots[:, 0]) and time.monotonic() < deadline:
+        time.sleep(0.001)
     return int(np.count_nonzero(_slots[:, 0]))

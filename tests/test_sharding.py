@@ -45,7 +45,9 @@ def test_mesh_larger_than_device_count():
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
-def test_auto_attention_under_tensor_parallel_on_cpu_is_the_partitionable_reference(tiny_model_dir):
+def test_auto_kernels_under_tensor_parallel_on_cpu_are_the_partitionable_references(tiny_model_dir):
     folder, _ = tiny_model_dir("qwen2_tp")
-    assert load_model(folder, dtype="float32", tensor_parallel_size=2).model.attn_impl == "reference"
-    assert load_model(folder, dtype="float32", tensor_parallel_size=1).model.attn_impl == "auto"  # -> "cpu" kernel
+    tp2 = load_model(folder, dtype="float32", tensor_parallel_size=2).model
+    assert (tp2.attn_impl, tp2.matmul_impl, tp2.layers[0].mlp.down_proj.matmul_impl) == ("reference",) * 3
+    tp1 = load_model(folder, dtype="float32", tensor_parallel_size=1).model
+    assert (tp1.attn_impl, tp1.matmul_impl) == ("auto", "auto")  # -> the "cpu" kernels

@@ -20,6 +20,7 @@ class EngineConfig:
     dtype: str = "auto"
     tensor_parallel_size: int = 1
     attn_impl: str = "auto"
+    matmul_impl: str = "auto"
     # KV cache
     page_size: int = 16
     num_pages: int | None = None  # explicit page count; else sized from kv_memory_fraction

@@ -68,7 +68,7 @@ class LLMEngine:
         enable_compilation_cache(config.compilation_cache_dir)
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                                attn_impl=config.attn_impl)
+                                attn_impl=config.attn_impl, matmul_impl=config.matmul_impl)
         if loaded is not None:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
         else:

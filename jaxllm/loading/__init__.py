@@ -60,13 +60,16 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
 
 
 def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", tensor_parallel_size: int = 1,
-               attn_impl: str = "auto", mesh: Mesh | None = None, load_tokenizer_too: bool = True) -> LoadedModel:
+               attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
+               load_tokenizer_too: bool = True) -> LoadedModel:
     p = _resolve(path)
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
     tp = mesh.shape["tp"]
-    if attn_impl == "auto" and tp > 1 and jax.default_backend() == "cpu":
-        attn_impl = "reference"  # the CPU kernel is one opaque custom call, which GSPMD cannot split by heads
+    if tp > 1 and jax.default_backend() == "cpu":
+        # The CPU kernels are opaque custom calls, which GSPMD cannot split by heads or rows.
+        attn_impl = "reference" if attn_impl == "auto" else attn_impl
+        matmul_impl = "reference" if matmul_impl == "auto" else matmul_impl
     tokenizer = None
     if p.is_file():
         g = GGUFFile(p)
@@ -82,6 +85,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, attn_impl=attn_impl, mesh=mesh)
+    model.set_matmul_impl(matmul_impl)
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
     name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name

@@ -18,7 +18,7 @@ import numba
 import numpy as np
 from numba import carray
 
-from pallas_kernels.cpu_ffi import load64, to_ptr
+from pallas_kernels.cpu_ffi import load64, prefetch, to_ptr
 
 NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
 
@@ -68,6 +68,15 @@ def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, windo
         l[r] = total
 
 
+@numba.njit(inline="always", **_KW)
+def _prefetch_page(k_cache, v_cache, kh, page):
+    k_addr = np.int64(k_cache[kh, page].ctypes.data)
+    v_addr = np.int64(v_cache[kh, page].ctypes.data)
+    for line in range(0, k_cache.shape[2] * k_cache.shape[3] * 4, 64):
+        prefetch(k_addr + line)
+        prefetch(v_addr + line)
+
+
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
                  block_q, s, kh, b0):
@@ -79,6 +88,9 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     q0 = query_start_loc[s]
     q_len = query_start_loc[s + 1] - q0
     ctx = kv_lens[s]
+    first = ctx - q_len + b0  # position of the block's first query token
+    start = max(0, first - window + 1) if window > 0 else 0
+    _prefetch_page(k_cache, v_cache, kh, block_tables[s, start // page_size])
     nq = min(block_q, q_len - b0)
     rows = nq * group
     qs = np.empty((rows, d), np.float32)  # pre-scaled queries
@@ -86,16 +98,17 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     m = np.full(rows, NEG, np.float32)
     l = np.zeros(rows, np.float32)  # noqa: E741
     sc = np.empty((rows, page_size), np.float32)
-    first = ctx - q_len + b0  # position of the block's first query token
     last = first + nq - 1
     for r in range(rows):
         tok = q0 + b0 + r // group
         head = kh * group + r % group
         for x in range(d):
             qs[r, x] = q[tok, head, x] * sm_scale
-    start = max(0, first - window + 1) if window > 0 else 0
-    for pi in range(start // page_size, last // page_size + 1):
+    end_page = last // page_size + 1
+    for pi in range(start // page_size, end_page):
         page = block_tables[s, pi]
+        if pi + 1 < end_page:  # pages are scattered, so the hardware prefetcher cannot guess the next one
+            _prefetch_page(k_cache, v_cache, kh, block_tables[s, pi + 1])
         _fold_page(qs, acc, m, l, sc, k_cache[kh, page], v_cache[kh, page], rows, group, pi * page_size, start,
                    first, window, soft_cap)
     for r in range(rows):
