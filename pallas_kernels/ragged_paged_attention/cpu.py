@@ -32,10 +32,11 @@ def _build_handler():
     import numba
     from numba import carray, types
 
-    from pallas_kernels.cpu_ffi import buffer, dim, is_execute, parallel_for, to_int, to_ptr
+    from pallas_kernels.cpu_ffi import HELPERS, buffer, dim, is_execute, parallel_for, to_int, to_ptr
     from pallas_kernels.ragged_paged_attention.cpu_kernel import plan, run_chunk, write_kv
 
     launch = parallel_for(run_chunk)
+    min_items = 4 * (HELPERS + 1) if HELPERS else 0  # below: split the items by q head to share them evenly
 
     @numba.cfunc(types.voidptr(types.voidptr), nopython=True)
     def handler(frame_ptr):
@@ -63,8 +64,8 @@ def _build_handler():
                  carray(to_ptr(slots_p), (t,), dtype=np.int32))
         block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
         work = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
-                    carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, block_q,
-                    carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
+                    carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q,
+                    min_items, carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
         launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p,
                        t, h, d, kvh, pages, page_size, num_seqs, max_pages), work.shape[0])
         return to_ptr(0)

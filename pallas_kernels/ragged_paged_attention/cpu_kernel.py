@@ -79,12 +79,13 @@ def _prefetch_page(k_cache, v_cache, kh, page):
 
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                 block_q, s, kh, b0):
-    """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, the q heads of KV head ``kh``.
+                 block_q, s, kh, b0, g0, g1):
+    """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group.
     q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"."""
     h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
-    group = h // kvh
+    group = g1 - g0  # the heads this item computes
+    first_head = kh * (h // kvh) + g0
     q0 = query_start_loc[s]
     q_len = query_start_loc[s + 1] - q0
     ctx = kv_lens[s]
@@ -101,7 +102,7 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     last = first + nq - 1
     for r in range(rows):
         tok = q0 + b0 + r // group
-        head = kh * group + r % group
+        head = first_head + r % group
         for x in range(d):
             qs[r, x] = q[tok, head, x] * sm_scale
     end_page = last // page_size + 1
@@ -113,16 +114,19 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
                    first, window, soft_cap)
     for r in range(rows):
         tok = q0 + b0 + r // group
-        head = kh * group + r % group
+        head = first_head + r % group
         inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
         for x in range(d):
             out[tok, head, x] = acc[r, x] * inv
 
 
 @numba.njit(**_KW)
-def plan(kv_lens, query_start_loc, kvh, block_q, out):
-    """The step's work items, (sequence, KV head, first query token of the block) [n, 3], costliest first so
-    that threads sharing them finish together; zeroes the output rows no item writes (padding tokens)."""
+def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, out):
+    """The step's work items, (sequence, KV head, first query token of the block, first and end q head of the
+    group) [n, 5], costliest first so that threads sharing them finish together. With fewer than ``min_items``
+    (sequence, KV head, block) items (one or two decoding sequences), each is split by q head, so that the
+    threads get even shares (they read the same pages, the second time from cache). Also zeroes the output
+    rows no item writes (padding tokens)."""
     num_seqs = kv_lens.shape[0]
     n = 0
     for s in range(num_seqs):
@@ -132,8 +136,9 @@ def plan(kv_lens, query_start_loc, kvh, block_q, out):
         elif q_len > 0:
             out[query_start_loc[s]:query_start_loc[s + 1]] = 0.0
     out[max(0, query_start_loc[num_seqs]):] = 0.0
-    work = np.empty((n, 3), np.int64)
-    cost = np.empty(n, np.int64)
+    split = group if n < min_items else 1
+    work = np.empty((n * split, 5), np.int64)
+    cost = np.empty(n * split, np.int64)
     i = 0
     for s in range(num_seqs):
         q_len = query_start_loc[s + 1] - query_start_loc[s]
@@ -142,9 +147,11 @@ def plan(kv_lens, query_start_loc, kvh, block_q, out):
         for b0 in range(0, q_len, block_q):
             c = min(block_q, q_len - b0) * (kv_lens[s] - q_len + b0 + block_q)  # query rows x keys (about)
             for kh in range(kvh):
-                work[i, 0], work[i, 1], work[i, 2] = s, kh, b0
-                cost[i] = c
-                i += 1
+                for part in range(split):
+                    work[i, 0], work[i, 1], work[i, 2] = s, kh, b0
+                    work[i, 3], work[i, 4] = part * group // split, (part + 1) * group // split
+                    cost[i] = c
+                    i += 1
     return work[np.argsort(-cost)]
 
 
@@ -164,12 +171,14 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 @numba.njit(**_KW)
 def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                  block_q):
-    """Every work item on the calling thread (tests, and the reference for the threaded runs)."""
-    work = plan(kv_lens, query_start_loc, k_cache.shape[0], block_q, out)
+                  block_q, min_items=0):
+    """Every work item on the calling thread (tests, and the reference for the threaded runs); ``min_items``
+    as in `plan`."""
+    kvh = k_cache.shape[0]
+    work = plan(kv_lens, query_start_loc, kvh, q.shape[1] // kvh, block_q, min_items, out)
     for i in range(work.shape[0]):
         attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                     block_q, work[i, 0], work[i, 1], work[i, 2])
+                     block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4])
 
 
 @numba.njit(**_KW)
@@ -188,7 +197,8 @@ def run_chunk(words, chunk):
     block_tables = carray(to_ptr(load64(words + 32)), (num_seqs, max_pages), dtype=i32)
     query_start_loc = carray(to_ptr(load64(words + 40)), (num_seqs + 1,), dtype=i32)
     out = carray(to_ptr(load64(words + 48)), (t, h, d), dtype=f32)
-    work = carray(to_ptr(load64(words + 56)), (chunk + 1, 3), dtype=np.int64)
+    work = carray(to_ptr(load64(words + 56)), (chunk + 1, 5), dtype=np.int64)
     params = carray(to_ptr(load64(words + 64)), (4,), dtype=f32)  # sm_scale, sliding window, soft cap, block_q
     attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, params[0], np.int64(params[1]),
-                 params[2], np.int64(params[3]), work[chunk, 0], work[chunk, 1], work[chunk, 2])
+                 params[2], np.int64(params[3]), work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
+                 work[chunk, 4])

@@ -20,22 +20,23 @@ OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
 OPTION_IDS = ["plain", "window", "softcap"]
 
 
-def _direct(case, block_q, sliding_window=None, soft_cap=None):
+def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None):
     m = case.meta
     q = np.asarray(case.q)
     out = np.full_like(q, np.nan)  # every element must be written, padding rows included
     attend_serial(q, np.asarray(case.k_cache), np.asarray(case.v_cache), np.asarray(m.kv_lens),
            np.asarray(m.block_tables), np.asarray(m.query_start_loc), out, np.float32(q.shape[-1] ** -0.5),
-           sliding_window or 0, np.float32(soft_cap or 0.0), block_q)
+           sliding_window or 0, np.float32(soft_cap or 0.0), block_q, min_items)
     return out
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("block_q", [1, 4])
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-def test_kernel_matches_naive_dense(kind, block_q, options):
+@pytest.mark.parametrize("split", [False, True], ids=["items", "split-by-head"])
+def test_kernel_matches_naive_dense(kind, block_q, options, split):
     case = make_case(kind, num_heads=6, num_kv_heads=2, head_dim=32, page_size=8, dtype=np.float32)
-    got = _direct(case, block_q, **options)
+    got = _direct(case, block_q, 1 << 30 if split else 0, **options)
     np.testing.assert_allclose(got, naive_attention(case, **options), atol=1e-5, rtol=1e-5)
     assert np.all(got[case.num_real_tokens:] == 0)
 
