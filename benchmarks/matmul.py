@@ -28,6 +28,7 @@ SHAPES = [(960, E), (E, E), (2 * F, E), (E, F)]  # [out, in]
 def chain(matmul):
     def step(x, layers, head):
         for qkv_w, o_w, gate_up_w, down_w in layers:
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-5)  # as the model's RMSNorm
             q = matmul(x, qkv_w)[:, :E]
             h = x + matmul(q * 0.5 + x, o_w)
             gate_up = matmul(h, gate_up_w).reshape(x.shape[0], F, 2)
