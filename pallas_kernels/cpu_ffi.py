@@ -149,7 +149,7 @@ def is_execute(frame):
 # A launch claims a slot of a process-wide table (a late task may still read it after the caller returns, so
 # the slot, not the caller's stack, holds the arguments; it is freed by whoever drops the last reference).
 # Slot words: [0] references (0 = free), [1] next chunk, [2] chunks, [3] chunks done, [4:] the kernel's words.
-NUM_SLOTS, SLOT_WORDS, ARG_WORDS = 256, 32, 28
+NUM_SLOTS, SLOT_WORDS = 256, 32  # so a launch passes at most 28 words
 _slots = np.zeros((NUM_SLOTS, SLOT_WORDS), np.int64)
 SLOTS = _slots.ctypes.data
 # The calling thread is one worker; one helper per other core. More would only contend for the cores.
@@ -160,8 +160,8 @@ API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Sch
 
 def parallel_for(run_chunk):
     """``launch(frame, words, num_chunks)``: runs ``run_chunk(words_addr, chunk)`` for every chunk, shared by the
-    calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of int64: addresses, sizes) is
-    what the chunks read their arguments from, at ``words_addr``. Returns when every chunk is done.
+    calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 28 int64: addresses,
+    sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk is done.
 
     ``run_chunk`` must not depend on which thread runs a chunk, so results are the same whatever the pool
     does (a task may also run late, or on the caller's thread)."""
