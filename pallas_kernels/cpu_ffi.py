@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import jax
 import numba
@@ -227,13 +228,23 @@ def parallel_for(run_chunk):
     return launch
 
 
-def register(target: str, handler) -> None:
-    """Registers a numba cfunc (``void *handler(XLA_FFI_CallFrame *)``) as an XLA:CPU FFI target."""
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    jax.ffi.register_ffi_target(target, new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None),
-                                platform="cpu")
+_lock = threading.Lock()
+_handlers: dict[str, object] = {}  # keeps each compiled cfunc (and so its address) alive
+
+
+def register_once(target: str, build_handler) -> None:
+    """Registers the numba cfunc ``build_handler()`` (``void *handler(XLA_FFI_CallFrame *)``) as the XLA:CPU FFI
+    target ``target``, once per process."""
+    with _lock:
+        if target in _handlers:
+            return
+        handler = build_handler()
+        new_capsule = ctypes.pythonapi.PyCapsule_New
+        new_capsule.restype = ctypes.py_object
+        new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+        jax.ffi.register_ffi_target(target, new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None),
+                                    platform="cpu")
+        _handlers[target] = handler
 
 
 def busy_slots(settle_s: float = 1.0) -> int:

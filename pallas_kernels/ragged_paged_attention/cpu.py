@@ -12,8 +12,6 @@ The plumbing (the FFI handler as a numba ``cfunc``, work items shared with XLA's
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +22,6 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 
 TARGET = "jaxllm_cpu_ragged_paged_attention"
 MAX_BLOCK_Q = 16
-_lock = threading.Lock()
-_handler = None  # keeps the compiled cfunc (and so its address) alive
 
 
 def _build_handler():
@@ -75,13 +71,8 @@ def _build_handler():
 
 def register() -> None:
     """Compiles the kernel (numba caches it on disk) and registers the FFI target, once per process."""
-    global _handler
-    with _lock:
-        if _handler is None:
-            from pallas_kernels.cpu_ffi import register as register_target
-            handler = _build_handler()
-            register_target(TARGET, handler)
-            _handler = handler
+    from pallas_kernels.cpu_ffi import register_once
+    register_once(TARGET, _build_handler)
 
 
 def write_and_attend(

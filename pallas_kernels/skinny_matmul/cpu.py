@@ -8,8 +8,6 @@ kernel; at 2-8 tokens 39-47 vs 26-38 ms (`benchmarks/matmul.py`)."""
 
 from __future__ import annotations
 
-import threading
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,8 +16,6 @@ from pallas_kernels.skinny_matmul.reference import matmul as reference_matmul
 
 TARGET = "jaxllm_cpu_skinny_matmul"
 MAX_ROWS = 8
-_lock = threading.Lock()
-_handler = None  # keeps the compiled cfunc (and so its address) alive
 
 
 def _build_handler():
@@ -48,13 +44,8 @@ def _build_handler():
 
 def register() -> None:
     """Compiles the kernel (numba caches it on disk) and registers the FFI target, once per process."""
-    global _handler
-    with _lock:
-        if _handler is None:
-            from pallas_kernels.cpu_ffi import register as register_target
-            handler = _build_handler()
-            register_target(TARGET, handler)
-            _handler = handler
+    from pallas_kernels.cpu_ffi import register_once
+    register_once(TARGET, _build_handler)
 
 
 def applies(x: jax.Array, w: jax.Array) -> bool:
