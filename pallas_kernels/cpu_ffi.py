@@ -228,6 +228,20 @@ def parallel_for(run_chunk):
     return launch
 
 
+def ffi_handler(execute):
+    """The XLA FFI handler (``void *handler(XLA_FFI_CallFrame *)``, a numba cfunc) that runs the njit function
+    ``execute(frame)`` at the EXECUTE stage and answers XLA's other queries."""
+
+    @numba.cfunc(types.voidptr(types.voidptr), nopython=True)
+    def handler(frame_ptr):
+        frame = to_int(frame_ptr)
+        if is_execute(frame):
+            execute(frame)
+        return to_ptr(0)
+
+    return handler
+
+
 _lock = threading.Lock()
 _handlers: dict[str, object] = {}  # keeps each compiled cfunc (and so its address) alive
 

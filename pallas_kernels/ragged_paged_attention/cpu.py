@@ -26,19 +26,16 @@ MAX_BLOCK_Q = 16
 
 def _build_handler():
     import numba
-    from numba import carray, types
+    from numba import carray
 
-    from pallas_kernels.cpu_ffi import HELPERS, buffer, dim, is_execute, parallel_for, to_int, to_ptr
+    from pallas_kernels.cpu_ffi import HELPERS, buffer, dim, ffi_handler, parallel_for, to_ptr
     from pallas_kernels.ragged_paged_attention.cpu_kernel import plan, run_chunk, write_kv
 
     launch = parallel_for(run_chunk)
     min_items = 4 * (HELPERS + 1) if HELPERS else 0  # below: split the items by q head to share them evenly
 
-    @numba.cfunc(types.voidptr(types.voidptr), nopython=True)
-    def handler(frame_ptr):
-        frame = to_int(frame_ptr)
-        if not is_execute(frame):
-            return to_ptr(0)
+    @numba.njit
+    def execute(frame):
         params_p, _ = buffer(frame, 0)
         q_p, q_d = buffer(frame, 1)
         k_new_p, _ = buffer(frame, 2)
@@ -64,9 +61,8 @@ def _build_handler():
                     min_items, carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
         launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p,
                        t, h, d, kvh, pages, page_size, num_seqs, max_pages), work.shape[0])
-        return to_ptr(0)
 
-    return handler
+    return ffi_handler(execute)
 
 
 def register() -> None:

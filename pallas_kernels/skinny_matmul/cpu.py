@@ -20,26 +20,21 @@ MAX_ROWS = 8
 
 def _build_handler():
     import numba
-    from numba import types
 
-    from pallas_kernels.cpu_ffi import buffer, dim, is_execute, parallel_for, to_int, to_ptr
+    from pallas_kernels.cpu_ffi import buffer, dim, ffi_handler, parallel_for
     from pallas_kernels.skinny_matmul.cpu_kernel import ROWS_PER_CHUNK, run_chunk
 
     launch = parallel_for(run_chunk)
 
-    @numba.cfunc(types.voidptr(types.voidptr), nopython=True)
-    def handler(frame_ptr):
-        frame = to_int(frame_ptr)
-        if not is_execute(frame):
-            return to_ptr(0)
+    @numba.njit
+    def execute(frame):
         x_p, x_d = buffer(frame, 0)
         w_p, w_d = buffer(frame, 1)
         y_p, _ = buffer(frame, 0, True)
         t, n, o = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
         launch(frame, (x_p, w_p, y_p, t, n, o), (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK)
-        return to_ptr(0)
 
-    return handler
+    return ffi_handler(execute)
 
 
 def register() -> None:
