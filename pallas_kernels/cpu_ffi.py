@@ -96,6 +96,16 @@ def prefetch(typingctx, addr):
 
 
 @intrinsic
+def call_c0(typingctx, fn):
+    """Calls the C function at address ``fn`` as ``int fn(void)``."""
+    def codegen(context, builder, sig, args):
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.IntType(32), []).as_pointer())
+        builder.call(f, [])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
+
+
+@intrinsic
 def call_c(typingctx, fn, arg):
     """Calls the C function at address ``fn`` as ``void *fn(void *arg)``; returns its result as an int."""
     def codegen(context, builder, sig, args):
@@ -156,6 +166,10 @@ SLOTS = _slots.ctypes.data
 # The calling thread is one worker; one helper per other core. More would only contend for the cores.
 _slot_on_stack, _schedule_args, _destroy_args = _stack_words(SLOT_WORDS), _stack_words(5), _stack_words(3)
 HELPERS = max(0, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
+# Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
+# thread wants it) a spin must not hold a core for a whole time slice.
+SCHED_YIELD = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
+SPINS_BEFORE_YIELD = 1000
 API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Schedule, XLA_FFI_Error_Destroy
 
 
@@ -220,8 +234,11 @@ def parallel_for(run_chunk):
                     store64(destroy_args + 16, error)
                     call_c(load64(api + API_ERROR_DESTROY), destroy_args)
         drain(slot)
+        spins = 0
         while load_acquire(slot + 24) < num_chunks:  # chunks still running on a helper
-            pass
+            spins += 1
+            if spins > SPINS_BEFORE_YIELD:
+                call_c0(SCHED_YIELD)
         if helpers > 0:
             fetch_add(slot, -1)
 
