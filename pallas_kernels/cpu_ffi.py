@@ -159,13 +159,18 @@ def is_execute(frame):
 # -- a parallel for-loop on XLA's intra-op thread pool
 # A launch claims a slot of a process-wide table (a late task may still read it after the caller returns, so
 # the slot, not the caller's stack, holds the arguments; it is freed by whoever drops the last reference).
-# Slot words: [0] references (0 = free), [1] next chunk, [2] chunks, [3] chunks done, [4:] the kernel's words.
-NUM_SLOTS, SLOT_WORDS = 256, 32  # so a launch passes at most 28 words
+# Slot layout in 64-byte lines of 8 words: line 0 is [0] references (0 = free), [1] chunks, [2] chunks done,
+# [3] helpers started; lines 1-4 the kernel's words; line 5 + w worker w's range of chunks: [0] the next chunk
+# to claim, [1] the end. Each range counter has its own cache line: its owner claims chunks from it without
+# contention until a worker that ran out of work steals from it.
+# The calling thread is worker 0; one helper per other core. More would only contend for the cores.
+HELPERS = max(0, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
+WORKERS = HELPERS + 1
+MAX_WORDS, _WORDS_AT, _RANGES_AT = 28, 64, 320  # byte offsets of the kernel's words and of the first range
+NUM_SLOTS, SLOT_WORDS = 256, 8 * (5 + WORKERS)
 _slots = np.zeros((NUM_SLOTS, SLOT_WORDS), np.int64)
 SLOTS = _slots.ctypes.data
-# The calling thread is one worker; one helper per other core. More would only contend for the cores.
 _slot_on_stack, _schedule_args, _destroy_args = _stack_words(SLOT_WORDS), _stack_words(5), _stack_words(3)
-HELPERS = max(0, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
 # Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
 # thread wants it) a spin must not hold a core for a whole time slice.
 SCHED_YIELD = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
@@ -173,28 +178,34 @@ SPINS_BEFORE_YIELD = 1000
 API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Schedule, XLA_FFI_Error_Destroy
 
 
-def parallel_for(run_chunk):
+def parallel_for(run_chunk, split: bool = False):
     """``launch(frame, words, num_chunks)``: runs ``run_chunk(words_addr, chunk)`` for every chunk, shared by the
     calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 28 int64: addresses,
     sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk is done.
 
-    ``run_chunk`` must not depend on which thread runs a chunk, so results are the same whatever the pool
-    does (a task may also run late, or on the caller's thread)."""
+    Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own
+    contiguous range (its memory reads stream, and claims do not contend) and then steals what is left of the
+    others'. ``run_chunk`` must not depend on which thread runs a chunk, so results are the same whatever the
+    pool does (a task may also run late, or on the caller's thread)."""
 
     @numba.njit(nogil=True)
-    def drain(slot):
-        chunks = load64(slot + 16)
-        while True:
-            c = fetch_add(slot + 8, 1)
-            if c >= chunks:
-                return
-            run_chunk(slot + 32, c)
-            fetch_add(slot + 24, 1)
+    def drain(slot, worker):
+        done = 0
+        for j in range(WORKERS):
+            counter = slot + _RANGES_AT + 64 * ((worker + j) % WORKERS)
+            end = load64(counter + 8)
+            while True:
+                c = fetch_add(counter, 1)
+                if c >= end:
+                    break
+                run_chunk(slot + _WORDS_AT, c)
+                done += 1
+        fetch_add(slot + 16, done)
 
     @numba.cfunc(types.void(types.voidptr), nopython=True)
     def task(data):
         slot = to_int(data)
-        drain(slot)
+        drain(slot, 1 + fetch_add(slot + 24, 1))
         fetch_add(slot, -1)  # drop this task's reference
 
     task_address = task.address
@@ -212,10 +223,15 @@ def parallel_for(run_chunk):
             helpers = 0
             slot = _slot_on_stack()
         for i in range(len(words)):
-            store64(slot + 32 + 8 * i, words[i])
-        store64(slot + 8, 0)
-        store64(slot + 16, num_chunks)
+            store64(slot + _WORDS_AT + 8 * i, words[i])
+        store64(slot + 8, num_chunks)
+        store64(slot + 16, 0)
         store64(slot + 24, 0)
+        parts = helpers + 1 if split else 1
+        for w in range(WORKERS):
+            start, end = (w * num_chunks // parts, (w + 1) * num_chunks // parts) if w < parts else (0, 0)
+            store64(slot + _RANGES_AT + 64 * w, start)
+            store64(slot + _RANGES_AT + 64 * w + 8, end)
         if helpers > 0:
             api, ctx = load64(frame + 16), load64(frame + 24)
             schedule_args = _schedule_args()  # XLA_FFI_ThreadPool_Schedule_Args
@@ -233,9 +249,9 @@ def parallel_for(run_chunk):
                     store64(destroy_args + 8, 0)
                     store64(destroy_args + 16, error)
                     call_c(load64(api + API_ERROR_DESTROY), destroy_args)
-        drain(slot)
+        drain(slot, 0)
         spins = 0
-        while load_acquire(slot + 24) < num_chunks:  # chunks still running on a helper
+        while load_acquire(slot + 16) < num_chunks:  # chunks still running on a helper
             spins += 1
             if spins > SPINS_BEFORE_YIELD:
                 call_c0(SCHED_YIELD)

@@ -24,7 +24,7 @@ def _build_handler():
     from pallas_kernels.cpu_ffi import buffer, dim, ffi_handler, parallel_for
     from pallas_kernels.skinny_matmul.cpu_kernel import ROWS_PER_CHUNK, run_chunk
 
-    launch = parallel_for(run_chunk)
+    launch = parallel_for(run_chunk, split=True)
 
     @numba.njit
     def execute(frame):
