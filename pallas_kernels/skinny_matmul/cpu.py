@@ -1,5 +1,6 @@
 """The skinny matmul on CPU: an XLA FFI custom call into `cpu_kernel`, its row chunks shared between the
-calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`).
+calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`, split: each thread streams its own
+contiguous share of the weight rows, then steals what is left of the others').
 
 For float32 on the CPU backend with at most MAX_ROWS input rows; anything else runs the reference (XLA's dot,
 which is faster once there are enough rows to reuse each weight from cache). A SmolLM2 single-token step's
