@@ -166,7 +166,7 @@ def is_execute(frame):
 # The calling thread is worker 0; one helper per other core. More would only contend for the cores.
 HELPERS = max(0, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
 WORKERS = HELPERS + 1
-MAX_WORDS, _WORDS_AT, _RANGES_AT = 28, 64, 320  # byte offsets of the kernel's words and of the first range
+_WORDS_AT, _RANGES_AT = 64, 320  # byte offsets: the kernel's words (so at most 32 of them), the first range
 NUM_SLOTS, SLOT_WORDS = 256, 8 * (5 + WORKERS)
 _slots = np.zeros((NUM_SLOTS, SLOT_WORDS), np.int64)
 SLOTS = _slots.ctypes.data
@@ -180,7 +180,7 @@ API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Sch
 
 def parallel_for(run_chunk, split: bool = False):
     """``launch(frame, words, num_chunks)``: runs ``run_chunk(words_addr, chunk)`` for every chunk, shared by the
-    calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 28 int64: addresses,
+    calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 32 int64: addresses,
     sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk is done.
 
     Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own

@@ -59,8 +59,8 @@ def matmul_rows(x, w, y, r0, r1):
 
 # 16 x 576 floats = 37 KB of weights a chunk. Each thread starts on its own half of the rows (parallel_for's
 # split), so claims are uncontended and fine chunks only shorten the wait for the slower thread at the end:
-# the 121 matmuls of a single-token step took 23.1 ms with one shared counter over 64-row chunks and 21.5-22.6
-# ms with split ranges of 16-row chunks (alternated runs, `benchmarks/matmul.py`-like chain).
+# the 121 matmuls of a single-token step took 23.4-24.5 ms with one shared counter over 64-row chunks and
+# 21.5-23.5 ms with split ranges of 16-row chunks (alternated runs of a `benchmarks/matmul.py`-like chain).
 ROWS_PER_CHUNK = 16
 
 
