@@ -16,6 +16,21 @@ graceful_timeout = int(float(os.environ.get("JAXLLM_DRAIN_TIMEOUT", 30))) + 5
 keepalive = 5
 accesslog = None  # the app logs one line per request with token counts
 loglevel = os.environ.get("JAXLLM_LOG_LEVEL", "info")
+# TLS: gunicorn terminates it itself when both files are given.
+certfile = os.environ.get("JAXLLM_SSL_CERTFILE") or None
+keyfile = os.environ.get("JAXLLM_SSL_KEYFILE") or None
+
+
+def post_worker_init(worker):
+    """If the engine dies (a device error, a bug in a step), this worker exits once in-flight requests got
+    their 503, and gunicorn's arbiter starts a fresh worker: its restart is the recovery mechanism."""
+    import signal
+
+    import server.app as app_module
+
+    if app_module._app is not None:
+        pid = os.getpid()
+        app_module._app.extensions["jaxllm"].loop.on_death = lambda: os.kill(pid, signal.SIGTERM)
 
 
 def worker_exit(server, worker):

@@ -15,7 +15,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
-Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}
+Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}, optionally "cache_salt"
 
 
 class LLM:
@@ -49,12 +49,18 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        ids = []
+        # Validate everything before adding anything: a bad prompt or parameter leaves no request behind.
+        prepared = []
         for prompt, p in zip(prompts, params, strict=True):
-            request_id = str(next(self._ids))
+            salt = None
             if isinstance(prompt, dict):
-                prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
-            self.engine.add_request(request_id, prompt, p)
+                salt = prompt.get("cache_salt")
+                prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
+            prepared.append((self.engine.prepare_prompt(prompt, p), p, salt))
+        ids = []
+        for (prep, p, salt) in prepared:
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, prep[1], p, prepared=prep, cache_salt=salt)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

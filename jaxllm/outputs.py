@@ -19,7 +19,7 @@ class CompletionOutput:
     cumulative_logprob: float | None
     # Per generated token: {token_id: Logprob} with the sampled token and the top alternatives.
     logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", or "error" (see RequestOutput.error)
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
 
     def finished(self) -> bool:
@@ -35,3 +35,5 @@ class RequestOutput:
     finished: bool
     # Prompt tokens served from the prefix cache (not recomputed).
     num_cached_tokens: int = 0
+    # Set when handling this request failed (the other requests went on); the request is then finished.
+    error: str | None = None

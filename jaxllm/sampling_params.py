@@ -1,18 +1,82 @@
-"""Per-request generation options, shaped like vLLM's `SamplingParams`, validated on construction."""
+"""Per-request generation options, shaped like vLLM's `SamplingParams`, validated on construction.
+
+Every entry point (the Python API, the CLI, HTTP) builds one of these, so they all reject the same things:
+`__post_init__` checks what needs no model (types, ranges, finite floats, sizes of lists and strings) and
+`verify` what needs the model and engine limits (vocabulary, context left after the prompt, maximum `n`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import operator
+from typing import Any
+
+from jaxllm.errors import InvalidRequestError
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # any signed or unsigned 64-bit seed
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_REPETITION_PENALTY = 100.0
+MAX_INT = (1 << 31) - 1  # for counts and lengths: anything larger is no real request
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(InvalidRequestError):
     """An invalid sampling option; `param` names it (for OpenAI-style errors)."""
 
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
+
+@dataclasses.dataclass(frozen=True)
+class RequestLimits:
+    """What the model and engine allow a request; `LLMEngine.limits`."""
+
+    vocab_size: int
+    max_model_len: int
+    max_n: int = 16
+
+
+def _fail(param: str, message: str, value: Any = dataclasses.MISSING):
+    got = "" if value is dataclasses.MISSING else f", got {value!r}"[:200]
+    raise SamplingParamsError(f"{param} {message}{got}", param)
+
+
+def check_int(param: str, value: Any, lo: int, hi: int) -> int:
+    """An integer (not a bool, not a float) in [lo, hi]."""
+    if isinstance(value, bool):
+        _fail(param, "must be an integer", value)
+    try:
+        value = operator.index(value)
+    except TypeError:
+        _fail(param, "must be an integer", value)
+    if not lo <= value <= hi:
+        _fail(param, f"must be in [{lo}, {hi}]", value)
+    return value
+
+
+def check_float(param: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> float:
+    """A finite number in [lo, hi] (or (lo, hi])."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        _fail(param, "must be a number", value)
+    value = float(value)
+    if not math.isfinite(value):
+        _fail(param, "must be a finite number", value)
+    if not (lo < value if lo_open else lo <= value) or value > hi:
+        _fail(param, f"must be in {'(' if lo_open else '['}{lo}, {hi}]", value)
+    return value
+
+
+def check_text(param: str, value: Any) -> str:
+    """A string that is valid Unicode (JSON lets a client send lone surrogates, which no tokenizer takes)."""
+    if not isinstance(value, str):
+        _fail(param, "must be a string", value)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        _fail(param, f"is not valid Unicode (a lone surrogate at position {e.start})")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,38 +101,83 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.top_k == -1:
-            object.__setattr__(self, "top_k", 0)
-        checks = [
-            (self.n >= 1, "n", "must be at least 1"),
-            (self.temperature >= 0, "temperature", "must be non-negative"),
-            (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (self.top_k >= 0, "top_k", "must be -1 (disabled) or positive"),
-            (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]"),
-            (self.repetition_penalty > 0, "repetition_penalty", "must be positive"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
-            (self.min_tokens >= 0, "min_tokens", "must be non-negative"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             "must not exceed max_tokens"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"must be between 0 and {MAX_LOGPROBS}"),
-            (all(s for s in self.stop), "stop", "must not contain empty strings"),
-        ]
-        for ok, param, message in checks:
-            if not ok:
-                raise SamplingParamsError(f"{param} {message}, got {getattr(self, param)!r}", param)
-        if self.logit_bias:
-            for token, bias in self.logit_bias.items():
-                if not -100 <= bias <= 100:
-                    raise SamplingParamsError(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
-                if int(token) < 0:
-                    raise SamplingParamsError(f"logit_bias token id {token} is negative", "logit_bias")
+        put = object.__setattr__
+        put(self, "n", check_int("n", self.n, 1, MAX_INT))
+        put(self, "temperature", check_float("temperature", self.temperature, 0, MAX_TEMPERATURE))
+        put(self, "top_p", check_float("top_p", self.top_p, 0, 1, lo_open=True))
+        put(self, "top_k", check_int("top_k", self.top_k, -1, MAX_INT) if self.top_k != -1 else 0)
+        put(self, "min_p", check_float("min_p", self.min_p, 0, 1))
+        put(self, "presence_penalty", check_float("presence_penalty", self.presence_penalty, -2, 2))
+        put(self, "frequency_penalty", check_float("frequency_penalty", self.frequency_penalty, -2, 2))
+        put(self, "repetition_penalty", check_float("repetition_penalty", self.repetition_penalty, 0,
+                                                    MAX_REPETITION_PENALTY, lo_open=True))
+        if self.seed is not None:
+            put(self, "seed", check_int("seed", self.seed, SEED_MIN, SEED_MAX))
+        if self.max_tokens is not None:
+            put(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1, MAX_INT))
+        put(self, "min_tokens", check_int("min_tokens", self.min_tokens, 0, MAX_INT))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _fail("min_tokens", f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
+        if self.logprobs is not None:
+            put(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _fail(name, "must be true or false", getattr(self, name))
+        self._check_stops()
+        self._check_logit_bias()
+
+    def _check_stops(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, list | tuple):
+            _fail("stop", "must be a string or a list of strings", stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"must have at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        for s in stop:
+            check_text("stop", s)
+            if not s or len(s) > MAX_STOP_STRING_CHARS:
+                _fail("stop", f"strings must have 1 to {MAX_STOP_STRING_CHARS} characters", s)
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, list | tuple):
+            _fail("stop_token_ids", "must be a list of token ids", ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            _fail("stop_token_ids", f"must have at most {MAX_STOP_TOKEN_IDS} entries, got {len(ids)}")
+        object.__setattr__(self, "stop_token_ids", tuple(check_int("stop_token_ids", t, 0, MAX_INT) for t in ids))
+
+    def _check_logit_bias(self) -> None:
+        if not self.logit_bias:
+            object.__setattr__(self, "logit_bias", None)
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", "must map token ids to biases", self.logit_bias)
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", f"must have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        bias = {}
+        for token, value in self.logit_bias.items():
+            if isinstance(token, str):  # JSON object keys
+                try:
+                    token = int(token)
+                except ValueError:
+                    _fail("logit_bias", "keys must be token ids", token)
+            bias[check_int("logit_bias", token, 0, MAX_INT)] = check_float("logit_bias", value, -100, 100)
+        object.__setattr__(self, "logit_bias", bias)
+
+    def verify(self, limits: RequestLimits, num_prompt_tokens: int) -> None:
+        """The checks that need the model: token ids in its vocabulary, the context left after the prompt,
+        the engine's maximum n."""
+        if self.n > limits.max_n:
+            _fail("n", f"must be at most {limits.max_n} on this server", self.n)
+        vocab = limits.vocab_size
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                _fail(name, f"token ids must be below the vocabulary size {vocab}", bad[0])
+        left = limits.max_model_len - num_prompt_tokens
+        for name, value in (("max_tokens", self.max_tokens), ("min_tokens", self.min_tokens)):
+            if value is not None and value > left:
+                _fail(name, f"is too large: {value}. This model's maximum context length is {limits.max_model_len} "
+                      f"tokens and your request has {num_prompt_tokens} input tokens ({value} > "
+                      f"{limits.max_model_len} - {num_prompt_tokens})")
 
     @property
     def greedy(self) -> bool:

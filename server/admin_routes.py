@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /ping, /version, /metrics; POST /tokenize, /detokenize."""
+"""GET /v1/models, /health, /ping, /version, /metrics, /openapi.json; POST /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import jaxllm
 from jaxllm.tokenizer.chat_template import ChatTemplateError
 from server.errors import APIError
-from server.openai_routes import parse, state
+from server.openai_routes import state
+from server.openapi import openapi_document
+from server.parsing import parse
 from server.protocol import DetokenizeRequest, TokenizeRequest
 
 bp = Blueprint("admin", __name__)
 STARTED = int(time.time())
+OPENAPI = openapi_document()
 
 
 @bp.get("/v1/models")
@@ -40,6 +43,11 @@ def ping():
 @bp.get("/version")
 def version():
     return jsonify({"version": jaxllm.__version__})
+
+
+@bp.get("/openapi.json")
+def openapi():
+    return jsonify(OPENAPI)
 
 
 @bp.get("/metrics")

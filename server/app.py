@@ -6,23 +6,28 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import time
 import uuid
 
-from flask import Flask, g, request
+from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
 from server import admin_routes, openai_routes
 from server.errors import APIError, error_response
+from server.generation import ClientGone
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 from server.state import ServerState
 
 logger = logging.getLogger("jaxllm.server")
 access_log = logging.getLogger("jaxllm.access")
-OPEN_PATHS = {"/health", "/ping", "/version", "/metrics"}
+# Open without the API key: probes, metrics and the API's own description. Everything else, in particular every
+# route that touches the model (/v1/*, /tokenize, /detokenize), needs it.
+OPEN_PATHS = {"/health", "/ping", "/version", "/metrics", "/openapi.json"}
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's X-Request-Id, echoed and logged only if it fits
 
 
 def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Flask:
@@ -32,16 +37,23 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     app = Flask("jaxllm")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    st = ServerState(settings=settings, loop=EngineLoop(engine), metrics=ServerMetrics(engine, engine.model_name))
+    loop = EngineLoop(engine)
+    st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, engine.model_name))
     app.extensions["jaxllm"] = st
     app.register_blueprint(openai_routes.bp)
     app.register_blueprint(admin_routes.bp)
+    if settings.allowed_origins:
+        from flask_cors import CORS
+
+        CORS(app, origins=list(settings.allowed_origins), expose_headers=["X-Request-Id"],
+             allow_headers=["Authorization", "Content-Type", "X-Request-Id"])
 
     @app.before_request
     def before():
-        g.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        given = request.headers.get("X-Request-Id", "")
+        g.request_id = given if REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
         g.start = time.monotonic()
-        if settings.api_key and request.path not in OPEN_PATHS:
+        if settings.api_key and request.path not in OPEN_PATHS and request.method != "OPTIONS":
             header = request.headers.get("Authorization", "")
             token = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else ""
             if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
@@ -62,6 +74,10 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     @app.errorhandler(APIError)
     def api_error(e: APIError):
         return e.response()
+
+    @app.errorhandler(ClientGone)
+    def client_gone(e: ClientGone):
+        return Response(status=499)  # nginx's "client closed request": nobody reads it
 
     @app.errorhandler(HTTPException)
     def http_error(e: HTTPException):

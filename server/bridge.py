@@ -39,4 +39,8 @@ class OutputStream:
             self._queue.put(item)
 
     def get(self, timeout: float | None = None):
-        return self._queue.get(timeout=timeout)
+        """The next item, or None after `timeout` seconds without one."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except _queue.Empty:  # gevent.queue.Empty is the same class
+            return None

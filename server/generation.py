@@ -3,27 +3,43 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
-from jaxllm.engine.llm_engine import PromptTooLongError
+from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from server.bridge import OutputStream
 from server.errors import APIError
 from server.state import ServerState
 
+POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the answer was ready; its engine requests are aborted."""
+
 
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt), with their latest outputs."""
+    """The engine requests behind one HTTP request (one per prompt), with their latest outputs.
 
-    def __init__(self, state: ServerState, request_id: str, prompts: list[str | list[int]], params: SamplingParams):
+    Engine request ids are generated here, never taken from the client (an `X-Request-Id` a client chose could
+    name another client's request, to abort it or to collide with it)."""
+
+    def __init__(self, state: ServerState, prompts: list[str | list[int]], params: SamplingParams, *,
+                 cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
         if not state.loop.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
+        if len(prompts) * params.n > state.capacity:
+            raise APIError(400, f"{len(prompts)} prompts x n={params.n} exceed what this server holds at once "
+                           f"({state.capacity} sequences)", param="n")
         if state.active_requests + len(prompts) > state.capacity:
             raise APIError(429, "the server's request queue is full; retry later", code="queue_full")
         self.state = state
-        self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.client_gone = client_gone
+        base = uuid.uuid4().hex
+        self.ids = [f"{base}-{i}" for i in range(len(prompts))]
         self.latest: dict[str, RequestOutput] = {}
         self.stream = OutputStream()
         self.start = time.monotonic()
@@ -32,18 +48,17 @@ class Generation:
         added = []
         try:
             for rid, prompt in zip(self.ids, prompts, strict=True):
-                state.loop.add_request(rid, prompt, params, self.stream.push)
+                state.loop.add_request(rid, prompt, params, self.stream.push, cache_salt=cache_salt)
                 added.append(rid)
         except PromptTooLongError as e:
             self._abort(added)
-            raise APIError(400, str(e), param="prompt",
-                           code="context_length_exceeded") from None
+            raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+        except InvalidRequestError as e:
+            self._abort(added)
+            raise APIError(400, str(e), param=e.param) from None
         except EngineDeadError as e:
             self._abort(added)
             raise APIError(503, str(e), code="engine_dead") from None
-        except ValueError as e:
-            self._abort(added)
-            raise APIError(400, str(e), param="prompt") from None
         state.active_requests += len(self.ids)
 
     def _abort(self, ids: list[str]) -> None:
@@ -51,13 +66,25 @@ class Generation:
             self.state.loop.abort_request(rid)
 
     def updates(self) -> Iterator[RequestOutput]:
-        """Yields each output as it arrives until every prompt is finished."""
+        """Yields each output as it arrives until every prompt is finished. Raises ClientGone when the client
+        left, APIError when the engine died or the request failed."""
         metrics = self.state.metrics
         last = None
         while len([o for o in self.latest.values() if o.finished]) < len(self.ids):
-            item = self.stream.get()
-            if isinstance(item, Exception):
+            item = self.stream.get(timeout=POLL_S)
+            if item is None:
+                if not self.state.loop.alive:
+                    raise APIError(503, "the engine died", code="engine_dead")
+                if self.client_gone is not None and self.client_gone():
+                    self.finish()
+                    raise ClientGone
+                continue
+            if isinstance(item, EngineDeadError):
                 raise APIError(503, f"the engine failed: {item}", code="engine_dead")
+            if isinstance(item, Exception):
+                raise APIError(500, f"the request failed: {item}", code="request_failed")
+            if item.error is not None:
+                raise APIError(500, f"the request failed: {item.error}", code="request_failed")
             now = time.monotonic()
             if self.first_output_at is None:
                 self.first_output_at = now
@@ -70,8 +97,11 @@ class Generation:
         self.finish()
 
     def wait(self) -> list[RequestOutput]:
-        for _ in self.updates():
-            pass
+        try:
+            for _ in self.updates():
+                pass
+        finally:
+            self.finish()
         return [self.latest[i] for i in self.ids]
 
     def finish(self) -> None:

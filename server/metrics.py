@@ -1,21 +1,22 @@
-"""Prometheus metrics: engine state read at scrape time, request latencies observed by the server."""
+"""Prometheus metrics: the engine's counters as its thread last published them (a scrape never touches the
+scheduler's live structures), request latencies observed by the server, and the worker process (RSS, CPU)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.engine_loop import EngineLoop
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine, model_name: str):
-        self.engine, self.labels = engine, [model_name]
+    def __init__(self, loop: EngineLoop, model_name: str):
+        self.loop, self.labels = loop, [model_name]
 
     def collect(self):
-        s = self.engine.stats()  # plain ints read from the engine thread's objects; atomic under the GIL
+        s = self.loop.stats
 
         def gauge(name, doc, value):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -35,12 +36,15 @@ class EngineCollector:
         yield counter("jaxllm_prompt_tokens", "Prompt tokens received.", s["prompt_tokens_total"])
         yield counter("jaxllm_generation_tokens", "Tokens generated.", s["generation_tokens_total"])
         yield counter("jaxllm_num_preemptions", "Sequences preempted for lack of KV pages.", s["num_preemptions"])
+        yield counter("jaxllm_num_failed_requests", "Requests ended by an error in their own handling.",
+                      s["num_failed_requests"])
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str):
+    def __init__(self, loop: EngineLoop, model_name: str):
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(EngineCollector(loop, model_name))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total...
         kw = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("jaxllm_time_to_first_token_seconds", "Time to first token.", **kw).labels(model_name)
         self.itl = Histogram("jaxllm_inter_token_latency_seconds", "Time between streamed outputs.",

@@ -8,13 +8,15 @@ import time
 from collections.abc import Callable, Iterator
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
-from pydantic import BaseModel, ValidationError
 
+from jaxllm.errors import InvalidRequestError
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.sampling_params import SamplingParamsError
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
-from server.errors import APIError
-from server.generation import Generation
+from server.disconnect import client_gone
+from server.errors import ERROR_TYPES, APIError
+from server.generation import ClientGone, Generation
+from server.parsing import invalid, parse
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -26,32 +28,16 @@ def state() -> ServerState:
     return current_app.extensions["jaxllm"]
 
 
-def parse(model_cls: type[BaseModel]):
-    body = request.get_json(silent=True)
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        req = model_cls.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        param = loc or (msg.split(":", 1)[0] if ":" in msg else None)
-        raise APIError(400, f"{loc + ': ' if loc else ''}{msg}", param=param) from None
-    name = state().model_name
-    if getattr(req, "model", None) not in (None, name):
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{name}'", param="model",
-                       code="model_not_found")
-    return req
-
-
-def sampling_params(req, max_tokens, logprobs):
+def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
     try:
         return req.sampling_params(max_tokens, logprobs)
-    except SamplingParamsError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except ValueError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+
+
+def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None) -> Generation:
+    environ = request.environ
+    return Generation(state(), prompts, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
 
 
 def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
@@ -61,8 +47,12 @@ def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> 
             for event in events:
                 yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
             yield "data: [DONE]\n\n"
+        except ClientGone:
+            return
         except APIError as e:
-            yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.code}})}\n\n"
+            error = {"message": e.message, "type": ERROR_TYPES.get(e.status, "server_error"), "param": e.param,
+                     "code": e.code}
+            yield f"data: {json.dumps({'error': error})}\n\n"
         finally:  # also on client disconnect (GeneratorExit): free the engine's pages
             gen.finish()
             on_end()
@@ -98,11 +88,8 @@ def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: 
 @bp.post("/v1/completions")
 def completions():
     req = parse(CompletionRequest)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", param="echo")
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    prompts = req.prompts()
-    gen = Generation(state(), g.request_id, prompts, params)
+    gen = start(req.prompts(), params, req.cache_salt)
     created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
     tok = state().engine.tokenizer
 
@@ -115,10 +102,7 @@ def completions():
         return i * req.n + c.index
 
     if not req.stream:
-        try:
-            outs = gen.wait()
-        finally:
-            gen.finish()
+        outs = gen.wait()
         choices = []
         for i, out in enumerate(outs):
             for c in out.outputs:
@@ -184,22 +168,19 @@ def chat_completions():
     req = parse(ChatCompletionRequest)
     st = state()
     tok = st.engine.tokenizer
+    top_n = req.top_logprobs or 0
+    params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
     try:
         messages = [m.as_template_input() for m in req.messages]
         ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
                                       **(req.chat_template_kwargs or {}))
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    top_n = req.top_logprobs or 0
-    params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
-    gen = Generation(st, g.request_id, [ids], params)
+    gen = start([ids], params, req.cache_salt)
     created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:
-        try:
-            (out,) = gen.wait()
-        finally:
-            gen.finish()
+        (out,) = gen.wait()
         choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                     "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]

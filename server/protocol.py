@@ -1,5 +1,11 @@
 """Request bodies of the OpenAI API (fields in OpenAI's order, then vLLM's extras), validated with pydantic,
-and their translation into `SamplingParams`."""
+and their translation into `SamplingParams`.
+
+pydantic checks the JSON shape (strict types: no "3" for 3, no true for 1; no NaN or infinity; every number
+bounded); the ranges that every entry point shares are checked by `SamplingParams` itself, and the limits
+that need the model (vocabulary, context left, maximum n) by the engine. These models also generate the
+server's OpenAPI document (server/openapi.py).
+"""
 
 from __future__ import annotations
 
@@ -7,45 +13,66 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import (
+    MAX_INT,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPERATURE,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+)
+
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+Name = Annotated[str, Field(max_length=256)]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_INT)]
+RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "tokenize", "bos_token", "eos_token"}
 
 
-class StreamOptions(BaseModel):
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Model):
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(_Model):
     """Fields shared by both endpoints, in OpenAI's order, then vLLM's extras."""
 
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
-    n: Annotated[int, Field(ge=1, le=16)] = 1
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    model: Name | None = None
+    frequency_penalty: Penalty = 0.0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    n: Count = 1
+    presence_penalty: Penalty = 0.0
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    user: str | None = None
+    user: Annotated[str, Field(max_length=1024)] | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Annotated[int, Field(ge=-1, le=MAX_INT)] | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0)] = 1.0
-    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0, le=MAX_REPETITION_PENALTY)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_INT)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
+        default=None, description="Requests with different salts never share prefix-cache pages (one per tenant).")
 
     @model_validator(mode="after")
     def _check(self):
-        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop: at most 4 non-empty strings")
-        if self.logit_bias and len(self.logit_bias) > 300:
-            raise ValueError("logit_bias: at most 300 entries")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         return self
@@ -54,27 +81,24 @@ class _Sampling(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        bias = None
-        if self.logit_bias:
-            try:
-                bias = {int(k): v for k, v in self.logit_bias.items()}
-            except ValueError:
-                raise ValueError("logit_bias: keys must be token ids") from None
+        """Raises SamplingParamsError (a 400 naming the parameter)."""
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, min_p=self.min_p,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty, logit_bias=bias, seed=self.seed, max_tokens=max_tokens,
-            min_tokens=self.min_tokens, stop=self.stops(), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, seed=self.seed,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stops(),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    best_of: int | None = None
+    prompt: (str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[list[TokenId]], Field(min_length=1)])
+    best_of: Count | None = None
     echo: bool = False
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    max_tokens: Count | None = 16
     suffix: str | None = None
 
     @model_validator(mode="after")
@@ -83,8 +107,8 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt: must not be empty")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo: echo together with logprobs is not supported")
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -96,66 +120,83 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(_Model):
+    type: Literal["text", "image_url", "input_audio", "file", "refusal"]
+    text: str | None = None
 
+    @model_validator(mode="after")
+    def _text_only(self):
+        if self.type != "text":
+            raise ValueError(f"content part type {self.type!r} is not supported by this model")
+        if self.text is None:
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    content: str | list[ContentPart] | None = None
+    name: Name | None = None
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
-        if isinstance(content, list):  # content parts: only text is supported
-            texts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise ValueError(f"messages: content part type {part.get('type')!r} is not supported")
-                texts.append(part.get("text", ""))
-            content = "".join(texts)
+        if isinstance(content, list):
+            content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
         return {"role": role, "content": content or ""}
+
+
+def _check_messages(messages: list[ChatMessage]) -> None:
+    if not any(m.as_template_input()["content"].strip() for m in messages):
+        raise ValueError("messages: every message is empty or whitespace")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     logprobs: bool = False
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Count | None = None
+    max_tokens: Count | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check_chat(self):
+        _check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported by this server")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise ValueError("response_format: only {'type': 'text'} is supported")
+        reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
+        if reserved:
+            raise ValueError(f"chat_template_kwargs: {sorted(reserved)} are set by the server")
         return self
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model: str | None = None
+class TokenizeRequest(_Model):
+    model: Name | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("prompt or messages: give exactly one")
+            raise ValueError("prompt: give exactly one of prompt and messages")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt: must not be empty")
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model: str | None = None
-    tokens: list[int]
+class DetokenizeRequest(_Model):
+    model: Name | None = None
+    tokens: list[TokenId]

@@ -4,7 +4,9 @@ JAXLLM_PRESET (engine preset in configs/ or TOML path, default smollm2-cpu), JAX
 JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES, JAXLLM_KV_MEMORY_FRACTION, JAXLLM_TENSOR_PARALLEL_SIZE,
 JAXLLM_MAX_NUM_SEQS, JAXLLM_MAX_NUM_BATCHED_TOKENS, JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR,
 JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL, JAXLLM_MAX_BODY_BYTES (default 10 MiB),
-JAXLLM_DRAIN_TIMEOUT (seconds, default 30).
+JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N (most choices per request, default 16),
+JAXLLM_ALLOWED_ORIGINS (comma-separated origins allowed by CORS, or *; default: CORS off).
+TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from jaxllm.engine.config import EngineConfig
 _ENGINE_ENV = {
     "model": str, "served_model_name": str, "max_model_len": int, "num_pages": int, "kv_memory_fraction": float,
     "tensor_parallel_size": int, "max_num_seqs": int, "max_num_batched_tokens": int, "max_waiting_requests": int,
-    "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str,
+    "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
 }
 
 
@@ -27,6 +29,7 @@ class ServerSettings:
     api_key: str | None = None
     max_body_bytes: int = 10 * 2**20
     drain_timeout_s: float = 30.0
+    allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -39,4 +42,6 @@ class ServerSettings:
         engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", "smollm2-cpu"), **overrides)
         return cls(engine=engine, api_key=env.get("JAXLLM_API_KEY") or None,
                    max_body_bytes=int(env.get("JAXLLM_MAX_BODY_BYTES", 10 * 2**20)),
-                   drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)))
+                   drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)),
+                   allowed_origins=tuple(o.strip() for o in env.get("JAXLLM_ALLOWED_ORIGINS", "").split(",")
+                                         if o.strip()))

@@ -1,16 +1,38 @@
 """KV-cache pages: a free list, reference counts, and automatic prefix caching.
 
-Every full page of a sequence gets a chained hash (the previous page's hash and this page's token ids), so a
-hash names a whole prefix. A new sequence reuses the cached pages of its longest cached prefix of full pages
-instead of recomputing them. Freed pages keep their contents and hash and go to the back of the free list
-(least recently used first out): they are reused as cache hits until someone needs the page for new content.
+Every full page of a sequence gets a chained SHA-256 hash (the previous page's hash and this page's token ids;
+the first page's chain starts from the request's `cache_salt`), so a hash names a whole prefix. A new sequence
+reuses the cached pages of its longest cached prefix of full pages instead of recomputing them. Freed pages
+keep their contents and hash and go to the back of the free list (least recently used first out): they are
+reused as cache hits until someone needs the page for new content.
+
+One tenant must never read another's KV: the hash is cryptographic (Python's `hash()` of a tuple can be
+collided on purpose, the pattern behind vLLM's GHSA-rm76-4mrf-v9r8), and a hit is also checked against what
+the page really holds: its token ids, its salt (first page), and the exact parent page and that page's
+generation (bumped each time a page is refilled). By induction from the first page, a verified chain holds
+exactly this sequence's prefix, whatever the hash does.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from jaxllm.engine.sequence import Sequence
+
+_ROOT = hashlib.sha256(b"jaxllm prefix cache v1").digest()
+
+
+def root_hash(cache_salt: str | None) -> bytes:
+    if cache_salt is None:
+        return _ROOT
+    return hashlib.sha256(_ROOT + b"salt:" + cache_salt.encode()).digest()
+
+
+def page_hash(prev: bytes, tokens: list[int]) -> bytes:
+    """prev: the previous page's hash (or root_hash); tokens: one full page of token ids."""
+    return hashlib.sha256(prev + array("I", tokens).tobytes()).digest()
 
 
 class BlockManager:
@@ -20,8 +42,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_pages))  # LRU order
-        self.hash_of_page: dict[int, int] = {}
-        self.page_of_hash: dict[int, int] = {}
+        self.hash_of_page: dict[int, bytes] = {}
+        self.page_of_hash: dict[bytes, int] = {}
+        # What a cached page holds, checked on every hit: (parent page, its generation, salt, token ids).
+        self.key_of_page: dict[int, tuple] = {}
+        self.generation = [0] * num_pages  # bumped whenever a page is handed out for new content
         self.prefix_hits = 0  # prompt tokens served from the cache
 
     @property
@@ -36,20 +61,29 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     # -- prefix cache
-    def _page_hash(self, prev: int | None, tokens: list[int]) -> int:
-        return hash((prev, tuple(tokens)))
+    def _page_hash(self, prev: bytes, tokens: list[int]) -> bytes:
+        return page_hash(prev, tokens)
+
+    def _page_key(self, parent: int | None, salt: str | None, tokens: list[int]) -> tuple:
+        if parent is None:
+            return None, None, salt, tuple(tokens)
+        return parent, self.generation[parent], None, tuple(tokens)
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Pages holding the longest cached prefix of full pages, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
-        pages, prev = [], None
+        salt = seq.request.cache_salt
+        pages: list[int] = []
+        prev = root_hash(salt)
         max_pages = (seq.num_tokens - 1) // self.page_size
         for i in range(max_pages):
-            h = self._page_hash(prev, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
+            h = self._page_hash(prev, tokens)
             page = self.page_of_hash.get(h)
-            if page is None:
-                break
+            if page is None or self.key_of_page.get(page) != self._page_key(pages[-1] if pages else None, salt,
+                                                                             tokens):
+                break  # a miss, or a hash collision: the page holds something else
             pages.append(page)
             prev = h
         return pages
@@ -78,6 +112,8 @@ class BlockManager:
             old = self.hash_of_page.pop(page, None)
             if old is not None and self.page_of_hash.get(old) == page:
                 del self.page_of_hash[old]
+            self.key_of_page.pop(page, None)
+            self.generation[page] += 1
             self.ref_counts[page] = 1
             seq.block_table.append(page)
 
@@ -86,14 +122,17 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         full = seq.num_computed_tokens // self.page_size
+        salt = seq.request.cache_salt
         for i in range(len(seq.page_hashes), full):
-            prev = seq.page_hashes[-1] if seq.page_hashes else None
-            h = self._page_hash(prev, seq.token_ids[i * self.page_size:(i + 1) * self.page_size])
+            prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
+            tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
+            h = self._page_hash(prev, tokens)
             seq.page_hashes.append(h)
             page = seq.block_table[i]
-            if h not in self.page_of_hash:
+            if h not in self.page_of_hash and page not in self.hash_of_page:
                 self.page_of_hash[h] = page
                 self.hash_of_page[page] = h
+                self.key_of_page[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens)
 
     def release(self, seq: Sequence) -> None:
         # Later pages first: the end of a prefix is the least likely to be reused, so it goes out first.

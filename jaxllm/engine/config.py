@@ -32,6 +32,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] | None = None  # default: powers of two up to max_num_batched_tokens
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
+    max_n: int = 16  # most choices (n) one request may ask for
     # Compilation
     compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
     seed: int = 0
@@ -51,6 +52,7 @@ class EngineConfig:
             (self.token_buckets is None or self.token_buckets[-1] >= self.max_num_batched_tokens,
              "the largest token bucket must hold max_num_batched_tokens"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
+            (self.max_n >= 1, "max_n must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.llm_engine import LLMEngine, check_cache_salt
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -39,12 +39,17 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine):
+    """on_death: called on the engine thread once the engine has died, after every in-flight request got its
+    EngineDeadError (a server uses it to exit its worker so a fresh one is started)."""
+
+    def __init__(self, engine: LLMEngine, on_death: Callable[[], None] | None = None):
         self.engine = engine
+        self.on_death = on_death
         self._inbox: _queue.SimpleQueue = _queue.SimpleQueue()
         self._stopping = False
         self.stopped = False
         self.error: str | None = None
+        engine._publish_stats()
         start_os_thread(self._run)
 
     @property
@@ -52,11 +57,19 @@ class EngineLoop:
         return self.error is None and not self.stopped
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    on_output: Callable[[RequestOutput], None]) -> None:
-        """Validation errors (bad prompt, too long) are raised here, in the caller's thread."""
+                    on_output: Callable[[RequestOutput], None], cache_salt: str | None = None) -> None:
+        """Validation errors (InvalidRequestError: bad prompt or parameters) are raised here, in the caller's
+        thread, so nothing a client sends can raise inside the engine thread."""
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is stopped")
-        self._inbox.put(("add", (request_id, self.engine.prepare_prompt(prompt), params, on_output)))
+        prepared = self.engine.prepare_prompt(prompt, params)
+        check_cache_salt(cache_salt)
+        self._inbox.put(("add", (request_id, prepared, params, on_output, cache_salt)))
+
+    @property
+    def stats(self) -> dict:
+        """The engine's counters as of its last step (published by the engine thread; safe from any thread)."""
+        return self.engine.published_stats
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -73,12 +86,16 @@ class EngineLoop:
 
     def _apply(self, kind: str, arg) -> None:
         if kind == "add":
-            request_id, prepared, params, on_output = arg
+            request_id, prepared, params, on_output, cache_salt = arg
             try:
-                self.engine.add_request(request_id, prepared[1], params, on_output, prepared=prepared)
-            except ValueError as e:  # a duplicate request id
+                self.engine.add_request(request_id, prepared[1], params, on_output, prepared=prepared,
+                                        cache_salt=cache_salt)
+            except Exception as e:  # e.g. a duplicate request id: only this request is refused
                 logger.warning("request %s rejected: %s", request_id, e)
-                on_output(e)
+                try:
+                    on_output(e)
+                except Exception:
+                    logger.exception("request %s: its output callback failed", request_id)
         elif kind == "abort":
             self.engine.abort_request(arg)
 
@@ -108,6 +125,25 @@ class EngineLoop:
             logger.error("engine loop died:\n%s", self.error)
             for request in list(self.engine.requests.values()):
                 if request.on_output:
-                    request.on_output(EngineDeadError("the engine died"))
+                    try:
+                        request.on_output(EngineDeadError("the engine died"))
+                    except Exception:
+                        logger.exception("request %s: its output callback failed", request.request_id)
+            self._fail_queued()
+            if self.on_death is not None:
+                self.on_death()
         finally:
             self.stopped = True
+
+    def _fail_queued(self) -> None:
+        """Requests handed in but not yet applied when the engine died must not wait forever either."""
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except _queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    arg[3](EngineDeadError("the engine died"))
+                except Exception:
+                    logger.exception("request %s: its output callback failed", arg[0])

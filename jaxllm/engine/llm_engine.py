@@ -18,18 +18,15 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.model_runner import ModelRunner, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
+from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
-
-
-class PromptTooLongError(ValueError):
-    pass
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -61,6 +58,16 @@ def _kv_budget_bytes(fraction: float) -> int:
     return int((stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) * fraction)
 
 
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: str | None) -> None:
+    if salt is not None:
+        check_text("cache_salt", salt)
+        if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
@@ -78,6 +85,7 @@ class LLMEngine:
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         num_pages, self.max_model_len = self._size_kv_cache(model)
+        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -89,6 +97,10 @@ class LLMEngine:
         # Counters for metrics.
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.num_failed_requests = 0
+        # What other threads may read (metrics, health): a fresh dict published by the engine's own thread
+        # after each change; never mutated in place, so a reader needs no lock.
+        self.published_stats: dict = {}
         compile_monitor.install()
         self.warmup_seconds = 0.0
         if warmup:
@@ -113,33 +125,47 @@ class LLMEngine:
         return num_pages, max_len
 
     # -- requests
-    def prepare_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        """Tokenizes and validates a prompt; safe to call from any thread."""
+    def prepare_prompt(self, prompt: str | list[int],
+                       params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
+        """Tokenizes and validates a prompt, and the sampling parameters against it and the model's limits (the
+        one validation every entry point goes through); safe to call from any thread. Raises
+        InvalidRequestError naming the parameter."""
+        vocab = self.limits.vocab_size
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
+            if not prompt.strip():
+                raise InvalidRequestError("prompt must contain text other than whitespace", "prompt")
             if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids", "prompt")
             text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            text, ids = None, [check_int("prompt", i, 0, vocab - 1) for i in prompt]
         else:
-            text, ids = None, [int(i) for i in prompt]
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
         if not ids:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= i < self.model.config.vocab_size for i in ids):
-            raise ValueError(f"prompt token ids must be in [0, {self.model.config.vocab_size})")
+            raise InvalidRequestError("the prompt is empty", "prompt")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                                      f"{self.max_model_len} tokens, including at least one generated token")
+        if params is not None:
+            if not isinstance(params, SamplingParams):
+                raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
+            params.verify(self.limits, len(ids))
         return text, ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, *,
-                    prepared: tuple[str | None, list[int]] | None = None) -> Request:
-        """prompt: text or token ids; prepared: the result of prepare_prompt, when already done."""
+                    prepared: tuple[str | None, list[int]] | None = None, cache_salt: str | None = None) -> Request:
+        """prompt: text or token ids; prepared: the result of prepare_prompt, when already done; cache_salt: requests
+        with different salts never share prefix-cache pages (e.g. one salt per tenant)."""
         params = params or SamplingParams()
         if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        text, ids = prepared or self.prepare_prompt(prompt)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        request = Request(request_id, text, ids, params, seed=seed, on_output=on_output)
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = prepared or self.prepare_prompt(prompt, params)
+        check_cache_salt(cache_salt)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt)
         for i in range(params.n):
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
@@ -149,6 +175,7 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
+        self._publish_stats()
         return request
 
     def abort_request(self, request_id: str) -> None:
@@ -160,6 +187,7 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self._emit(request)
+        self._publish_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -182,40 +210,54 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_pages(seq)
         touched = self._append_tokens(result)
-        outputs = []
-        for request in touched:
-            outputs.append(self._emit(request))
+        outputs = [out for request in touched if (out := self._emit(request)) is not None]
+        self._publish_stats()
         return outputs
 
     def _append_tokens(self, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}
         for i, seq in enumerate(result.seqs):
-            token = int(result.tokens[i])
-            seq.token_ids.append(token)
-            self.generation_tokens_total += 1
-            request = seq.request
-            p = seq.params
-            if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
-                logprob = float(result.logprobs[i])
-                seq.cumulative_logprob += logprob
-                entry = {token: Logprob(logprob, self._token_text(token))}
-                for tid, lp in zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
-                                   strict=True):
-                    entry.setdefault(int(tid), Logprob(float(lp), self._token_text(int(tid))))
-                seq.logprobs.append(entry)
-            stop_str = seq.detokenizer.add_token(token)
-            done = seq.num_output_tokens >= p.min_tokens
-            if done and not p.ignore_eos and token in self.eos_token_ids:
-                self._finish(seq, "stop", None)
-            elif done and token in p.stop_token_ids:
-                self._finish(seq, "stop", token)
-            elif done and stop_str is not None:
-                self._finish(seq, "stop", stop_str)
-            elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                    seq.num_tokens >= self.max_model_len:
-                self._finish(seq, "length", None)
-            touched[request.request_id] = request
+            if seq.finished:  # its request failed earlier in this loop (another choice's error)
+                continue
+            try:
+                self._append_token(seq, result, i)
+            except Exception as e:  # this request's own handling failed: end it, keep the batch going
+                self._fail_request(seq.request, e)
+            touched[seq.request.request_id] = seq.request
         return list(touched.values())
+
+    def _append_token(self, seq: Sequence, result: StepResult, i: int) -> None:
+        token = int(result.tokens[i])
+        seq.token_ids.append(token)
+        self.generation_tokens_total += 1
+        p = seq.params
+        if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
+            logprob = float(result.logprobs[i])
+            seq.cumulative_logprob += logprob
+            entry = {token: Logprob(logprob, self._token_text(token))}
+            for tid, lp in zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
+                               strict=True):
+                entry.setdefault(int(tid), Logprob(float(lp), self._token_text(int(tid))))
+            seq.logprobs.append(entry)
+        stop_str = seq.detokenizer.add_token(token)
+        done = seq.num_output_tokens >= p.min_tokens
+        if done and not p.ignore_eos and token in self.eos_token_ids:
+            self._finish(seq, "stop", None)
+        elif done and token in p.stop_token_ids:
+            self._finish(seq, "stop", token)
+        elif done and stop_str is not None:
+            self._finish(seq, "stop", stop_str)
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            self._finish(seq, "length", None)
+
+    def _fail_request(self, request: Request, error: Exception) -> None:
+        logger.exception("request %s failed; the other requests go on", request.request_id, exc_info=error)
+        request.error = f"{type(error).__name__}: {error}"
+        self.num_failed_requests += 1
+        for seq in request.seqs:
+            if not seq.finished:
+                self._finish(seq, "error", None)
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
@@ -224,21 +266,33 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
 
-    def _emit(self, request: Request) -> RequestOutput:
-        finished = request.finished
-        outputs = [CompletionOutput(
-            index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
-        out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, finished,
-                            num_cached_tokens=request.seqs[0].num_cached_tokens)
-        if finished:
+    def _emit(self, request: Request) -> RequestOutput | None:
+        """Builds the request's output and hands it to its callback. If either raises, the request ends (its
+        pages freed) and the step goes on for everyone else; None is returned for it."""
+        try:
+            outputs = [CompletionOutput(
+                index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
+            out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                                request.finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
+                                error=request.error)
+            if out.finished:
+                self.requests.pop(request.request_id, None)
+            if request.on_output:
+                request.on_output(out)
+            return out
+        except Exception as e:
+            if request.error is None:
+                self._fail_request(request, e)
             self.requests.pop(request.request_id, None)
-        if request.on_output:
-            request.on_output(out)
-        return out
+            return None
+
+    def _publish_stats(self) -> None:
+        self.published_stats = self.stats()
 
     def stats(self) -> dict:
+        """Read on the engine's own thread; other threads read `published_stats`."""
         return {
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
@@ -248,7 +302,8 @@ class LLMEngine:
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_failed_requests": self.num_failed_requests,
         }
 
 
-__all__ = ["LLMEngine", "PromptTooLongError", "SequenceStatus"]
+__all__ = ["InvalidRequestError", "LLMEngine", "PromptTooLongError", "SequenceStatus"]

@@ -18,10 +18,10 @@ from jaxllm.engine.sampler import SamplingTensors, sample
 from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Sequence
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxllm.sharding import kv_cache_sharding
 from pallas_kernels.kv_cache import allocate_kv_cache
 
-BIAS_WIDTH = 320  # OpenAI allows 300 logit_bias entries; the rest holds EOS/stop ids masked for min_tokens
 UINT32 = 1 << 32
 
 
@@ -56,12 +56,14 @@ class ModelRunner:
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.buckets = sorted(buckets)
         self.eos_token_ids = eos_token_ids
+        # Logit-bias slots per row: a request's own entries, plus its stop and EOS ids masked before min_tokens.
+        self.bias_width = -(-(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(eos_token_ids)) // 8) * 8
         self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
                                         model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
         # Device-resident "nothing to do" inputs, reused so steps without penalties or biases transfer nothing.
         self._no_history = {s: jnp.full((s, max_model_len), -1, jnp.int32) for _, s in self.buckets}
-        self._no_bias = {s: (jnp.full((s, BIAS_WIDTH), -1, jnp.int32), jnp.zeros((s, BIAS_WIDTH), jnp.float32))
-                         for _, s in self.buckets}
+        w = self.bias_width
+        self._no_bias = {s: (jnp.full((s, w), -1, jnp.int32), jnp.zeros((s, w), jnp.float32)) for _, s in self.buckets}
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         for t, s in self.buckets:
@@ -79,15 +81,17 @@ class ModelRunner:
         temperature, top_p, min_p = f32.copy(), np.ones(s, np.float32), f32.copy()
         rep, freq, pres = np.ones(s, np.float32), f32.copy(), f32.copy()
         top_k, steps, num_prompt = (np.zeros(s, np.int32) for _ in range(3))
-        seeds = np.zeros(s, np.uint32)
+        seeds = np.zeros((s, 2), np.uint32)
+        choices = np.zeros(s, np.int32)
         any_penalty = any_filter = any_bias = any_random = any_logprobs = False
         for i, seq in enumerate(rows):
             p = seq.params
             temperature[i] = 0.0 if p.greedy else p.temperature
             top_k[i], top_p[i], min_p[i] = p.top_k, p.top_p, p.min_p
             rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            seeds[i] = seq.request.seed % UINT32
-            steps[i] = seq.num_output_tokens * 131 + seq.index  # distinct per choice and per token
+            seed = seq.request.seed % (1 << 64)
+            seeds[i] = (seed % UINT32, seed // UINT32)
+            choices[i], steps[i] = seq.index, seq.num_output_tokens
             num_prompt[i] = seq.num_prompt_tokens
             any_penalty |= p.uses_penalties
             any_filter |= (not p.greedy) and p.uses_filters
@@ -102,8 +106,8 @@ class ModelRunner:
         else:
             history = self._no_history[s]
         if any_bias:
-            bias_ids = np.full((s, BIAS_WIDTH), -1, np.int32)
-            bias_values = np.zeros((s, BIAS_WIDTH), np.float32)
+            bias_ids = np.full((s, self.bias_width), -1, np.int32)
+            bias_values = np.zeros((s, self.bias_width), np.float32)
             for i, seq in enumerate(rows):
                 entries = dict(seq.params.logit_bias or {})
                 if seq.num_output_tokens < seq.params.min_tokens:
@@ -114,7 +118,7 @@ class ModelRunner:
                 bias_values[i, :len(entries)] = list(entries.values())
         else:
             bias_ids, bias_values = self._no_bias[s]
-        return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, steps, bias_ids,
+        return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, choices, steps, bias_ids,
                                bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
                                np.bool_(any_random), np.bool_(any_logprobs))
 

@@ -2,9 +2,10 @@
 
 Order (as vLLM): logit bias (also used to forbid EOS/stop tokens before ``min_tokens``) -> repetition
 penalty (prompt and output tokens) -> frequency and presence penalties (output tokens) -> greedy argmax, or
-temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw with the row's own key. The key is derived from
-the request's seed and the index of the token being sampled, so a seeded request gets the same tokens
-whatever else is in the batch. Logprobs are those of the raw model distribution (vLLM's default).
+temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw with the row's own key. The key folds in the
+request's 64-bit seed, the choice index and the index of the token being sampled (each its own fold, so
+keys never repeat whatever n is): a seeded request gets the same tokens whatever else is in the batch.
+Logprobs are those of the raw model distribution (vLLM's default).
 Filtering needs a sort of the vocabulary and penalties a scatter over the sequence's tokens; both run only
 in steps where some row asks for them.
 """
@@ -29,7 +30,8 @@ class SamplingTensors:
     repetition_penalty: jax.Array  # [S] f32
     frequency_penalty: jax.Array  # [S] f32
     presence_penalty: jax.Array  # [S] f32
-    seeds: jax.Array  # [S] u32
+    seeds: jax.Array  # [S, 2] u32: the request's 64-bit seed (low, high word)
+    choices: jax.Array  # [S] i32: the sequence's choice index within its request (0..n-1)
     steps: jax.Array  # [S] i32: index of the token being sampled
     bias_ids: jax.Array  # [S, B] i32 (-1 = none)
     bias_values: jax.Array  # [S, B] f32
@@ -87,7 +89,11 @@ def argmax_last(x: jax.Array, block: int = 1024) -> jax.Array:
 
 def _draw(scaled, t: SamplingTensors):
     v = scaled.shape[-1]
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(t.seeds, t.steps)
+    def key(seed, choice, step):
+        k = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
+        return jax.random.fold_in(jax.random.fold_in(k, choice), step)
+
+    keys = jax.vmap(key)(t.seeds, t.choices, t.steps)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
     return argmax_last(scaled + gumbel)
 

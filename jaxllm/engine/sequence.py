@@ -30,7 +30,7 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.block_table: list[int] = []
-        self.page_hashes: list[int] = []  # chained hashes of this sequence's full pages, in order
+        self.page_hashes: list[bytes] = []  # chained hashes of this sequence's full pages, in order
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -66,14 +66,16 @@ class Sequence:
 
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int, on_output: Callable | None = None):
+                 seed: int, on_output: Callable | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
+        self.cache_salt = cache_salt  # requests with different salts never share prefix-cache pages
         self.seed = seed  # the request's seed, or one drawn by the engine: sampling is reproducible per request
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
+        self.error: str | None = None  # set when handling this request raised; it then ends
 
     @property
     def finished(self) -> bool:

@@ -55,3 +55,6 @@ class ChatTemplate:
             raise
         except TemplateError as e:  # includes SecurityError from the sandbox
             raise ChatTemplateError(f"chat template failed: {e}") from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, RecursionError) as e:
+            # A template doing arithmetic or lookups on what a client sent (chat_template_kwargs, content).
+            raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from None

@@ -12,7 +12,7 @@ V = 12
 
 
 def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, freq=0.0, pres=0.0, seeds=None,
-            steps=None, history=None, num_prompt=None, bias=None):
+            steps=None, history=None, num_prompt=None, bias=None, choices=None):
     full = lambda v, dt: jnp.full((rows,), v, dt)  # noqa: E731
     hist = jnp.full((rows, 1), -1, jnp.int32) if history is None else jnp.asarray(history, jnp.int32)
     bias_ids = jnp.full((rows, 4), -1, jnp.int32)
@@ -23,11 +23,18 @@ def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, fr
     return SamplingTensors(
         full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32), full(min_p, jnp.float32),
         full(rep, jnp.float32), full(freq, jnp.float32), full(pres, jnp.float32),
-        jnp.asarray(seeds if seeds is not None else np.zeros(rows), jnp.uint32),
+        seed_words(seeds if seeds is not None else np.zeros(rows, np.int64)),
+        jnp.asarray(choices if choices is not None else np.zeros(rows), jnp.int32),
         jnp.asarray(steps if steps is not None else np.arange(rows), jnp.int32), bias_ids, bias_values, hist,
         jnp.asarray(num_prompt if num_prompt is not None else np.zeros(rows), jnp.int32),
         jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
         jnp.bool_(temperature > 0), jnp.bool_(True))
+
+
+def seed_words(seeds):
+    """64-bit seeds -> [rows, 2] uint32 (low, high), as the model runner passes them."""
+    seeds = [int(x) % (1 << 64) for x in seeds]
+    return jnp.asarray([(x & 0xFFFFFFFF, x >> 32) for x in seeds], jnp.uint32)
 
 
 def expected_distribution(logits, temperature, top_k, top_p, min_p):
@@ -101,6 +108,17 @@ def test_seeded_rows_do_not_depend_on_the_batch():
     assert int(alone[0]) == int(together[0])
     draws = [int(sample(logits[:1], tensors(1, seeds=[s], steps=[0]))[0][0]) for s in range(20)]
     assert len(set(draws)) > 5  # different seeds do sample differently
+
+
+def test_keys_differ_for_every_seed_choice_and_token():
+    """The old key (token * 131 + choice) repeated once n exceeded 131, and seeds were cut to 32 bits."""
+    logits = jnp.zeros((1, 1 << 16), jnp.float32)  # uniform over 65536 tokens: equal keys <=> equal draws
+    rows = [(0, 131, 0), (0, 0, 1), (0, 200, 0), (0, 69, 1), (1 << 32, 0, 0), (0, 0, 0), (-1, 0, 0),
+            ((1 << 64) - 1, 0, 0)]
+    draws = [int(sample(logits, tensors(1, seeds=[seed], choices=[choice], steps=[step]))[0][0])
+             for seed, choice, step in rows]
+    assert draws[-1] == draws[-2]  # -1 and 2**64 - 1 are the same 64-bit seed
+    assert len(set(draws[:-1])) == len(draws) - 1, draws
 
 
 @pytest.mark.parametrize("vocab", [7, 1024, 3000, 49152])

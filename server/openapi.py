@@ -1,0 +1,179 @@
+"""The server's OpenAPI 3.1 document, generated from the pydantic request models (server/protocol.py) and the
+response models below; served at GET /openapi.json. Every status a route can answer is listed, so a client
+(or schemathesis) can check each response against it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.json_schema import models_json_schema
+
+import jaxllm
+from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorBody(_Response):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Response):
+    error: ErrorBody
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(_Response):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(_Response):
+    prompt: str
+
+
+class Health(_Response):
+    status: str
+
+
+class Version(_Response):
+    version: str
+
+
+REQUESTS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
+RESPONSES = [ErrorResponse, Completion, ChatCompletion, ModelList, TokenizeResponse, DetokenizeResponse, Health,
+             Version]
+ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
+          429: "Request queue full", 500: "The request failed", 503: "The engine is not running"}
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json(model: type[BaseModel]) -> dict:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _errors(*codes: int) -> dict:
+    return {str(c): {"description": ERRORS[c], "content": _json(ErrorResponse)} for c in codes}
+
+
+def _generate(request: type[BaseModel], response: type[BaseModel], summary: str) -> dict:
+    return {"post": {
+        "summary": summary, "security": [{"bearer": []}],
+        "requestBody": {"required": True, "content": _json(request)},
+        "responses": {"200": {"description": "The answer; with stream=true, server-sent events ending with "
+                                             "'data: [DONE]'",
+                              "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}},
+                      **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+
+
+def _simple(method: str, response: type[BaseModel] | None, summary: str, *, request: type[BaseModel] | None = None,
+            secured: bool = False, errors: tuple[int, ...] = (), content: dict | None = None) -> dict:
+    op: dict[str, Any] = {"summary": summary,
+                          "responses": {"200": {"description": "OK", "content": content or _json(response)},
+                                        **_errors(*errors)}}
+    if secured:
+        op["security"] = [{"bearer": []}]
+        op["responses"].update(_errors(401))
+    if request is not None:
+        op["requestBody"] = {"required": True, "content": _json(request)}
+    return {method: op}
+
+
+def _health(summary: str) -> dict:
+    return {"get": {"summary": summary, "responses": {
+        "200": {"description": "OK", "content": _json(Health)},
+        "503": {"description": "The engine is not running", "content": _json(Health)}}}}
+
+
+def openapi_document() -> dict:
+    _, schemas = models_json_schema([(m, "validation") for m in REQUESTS + RESPONSES],
+                                    ref_template="#/components/schemas/{model}")
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "jaxllm", "version": jaxllm.__version__,
+                 "description": "OpenAI-compatible API of the jaxllm inference engine"},
+        "paths": {
+            "/v1/chat/completions": _generate(ChatCompletionRequest, ChatCompletion, "Chat completion"),
+            "/v1/completions": _generate(CompletionRequest, Completion, "Text completion"),
+            "/v1/models": _simple("get", ModelList, "The served model", secured=True),
+            "/tokenize": _simple("post", TokenizeResponse, "Token ids of a prompt or chat", request=TokenizeRequest,
+                                 secured=True, errors=(400, 404, 413)),
+            "/detokenize": _simple("post", DetokenizeResponse, "Text of token ids", request=DetokenizeRequest,
+                                   secured=True, errors=(400, 404, 413)),
+            "/health": _health("200 while the engine runs, 503 once it died"),
+            "/ping": _health("Same as /health"),
+            "/version": _simple("get", Version, "jaxllm's version"),
+            "/metrics": _simple("get", None, "Prometheus metrics",
+                                content={"text/plain": {"schema": {"type": "string"}}}),
+        },
+        "components": {"schemas": schemas.get("$defs", {}),
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }
