@@ -60,6 +60,8 @@ def tokenize():
     req = parse(TokenizeRequest)
     st = state()
     tok = st.engine.tokenizer
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer", param="prompt")
     if req.messages is not None:
         try:
             ids = tok.apply_chat_template([m.as_template_input() for m in req.messages], tokenize=True,
@@ -78,4 +80,6 @@ def detokenize():
     vocab = st.engine.model.config.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    if st.engine.tokenizer is None:
+        raise APIError(400, "this model has no tokenizer", param="tokens")
     return jsonify({"prompt": st.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})

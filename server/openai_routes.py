@@ -170,6 +170,8 @@ def chat_completions():
     tok = st.engine.tokenizer
     top_n = req.top_logprobs or 0
     params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
+    if tok is None:
+        raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
     try:
         messages = [m.as_template_input() for m in req.messages]
         ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,

@@ -58,13 +58,27 @@ def read_json() -> dict:
     return body
 
 
+def _field_path(loc: tuple) -> list:
+    """The location without pydantic's union-member tags ('str', 'list[ContentPart]', 'constrained-str')."""
+    path = []
+    for x in loc:
+        if isinstance(x, str) and (x in _TAGS or "[" in x or "-" in x or x[:1].isupper()):
+            continue
+        path.append(x)
+    return path
+
+
+_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
 def parse(model_cls: type[M]) -> M:
     body = read_json()
     try:
         req = model_cls.model_validate(body)
     except ValidationError as e:
-        err = e.errors(include_url=False)[0]
-        loc = ".".join(str(x) for x in err["loc"] if not str(x).startswith(("function-", "constrained-")))
+        # A union (e.g. content: str | list[part]) reports one error per member: the deepest is the telling one.
+        err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
+        loc = ".".join(str(x) for x in _field_path(err["loc"]))
         msg = err["msg"].removeprefix("Value error, ")
         if not loc and ":" in msg:  # a model-level check: "param: message"
             loc, msg = msg.split(":", 1)

@@ -101,6 +101,21 @@ class CompletionRequest(_Sampling):
     max_tokens: Count | None = 16
     suffix: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, data):
+        """One clear message for a malformed prompt, rather than one per member of its union."""
+        p = data.get("prompt") if isinstance(data, dict) else None
+        if isinstance(p, list) and p:
+            def token_ids(x):
+                return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                   for t in x)
+
+            if not (all(isinstance(x, str) for x in p) or token_ids(p) or all(token_ids(x) for x in p)):
+                raise ValueError("prompt: must be a string, a list of strings, a list of token ids (non-negative "
+                                 "integers) or a list of such lists")
+        return data
+
     @model_validator(mode="after")
     def _check_completion(self):
         if self.suffix:

@@ -43,3 +43,32 @@ def build_tiny_hf_model(case: str, folder: Path):
     model.eval()
     model.save_pretrained(folder, max_shard_size="200KB")
     return folder, model
+
+
+CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TOKENIZER_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.", "Write two sentences about the sea, a city and a forest.",
+    "What is the capital of France? Paris is the capital of France.", "Count slowly: one, two, three, four.",
+    "Tell a long story about a robot who learns music in a library while rain falls on the moon.",
+    "0123456789 !?.,;:'\"()[]{}<>/\\|@#$%^&*-_+=~`",
+]
+
+
+def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000) -> None:
+    """A byte-level BPE tokenizer trained on a few sentences (every id below the tiny models' 1024 vocabulary)
+    with ChatML special tokens and chat template, so a tiny model serves chat and text prompts like a real one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                         "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE}))

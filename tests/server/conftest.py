@@ -25,30 +25,49 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, env: dict[str, str], log: Path):
+    """gunicorn (./gunicorn.conf.py: one gevent worker) on a free loopback port; `verify`: the CA bundle when
+    the server speaks TLS."""
+
+    def __init__(self, env: dict[str, str], log: Path, *, app: str = "server.app:app", engine_env: dict | None = None,
+                 verify: str | None = None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify = verify
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log = log
-        full_env = {**os.environ, **ENGINE_ENV, **env, "JAXLLM_BIND": f"127.0.0.1:{self.port}",
+        full_env = {**os.environ, **(ENGINE_ENV if engine_env is None else engine_env), **env,
+                    "JAXLLM_BIND": f"127.0.0.1:{self.port}",
                     "JAX_PLATFORMS": "cpu"}  # XLA_FLAGS as in the tests: compiled buckets are shared
-        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "server.app:app"], cwd=ROOT, env=full_env,
+        started = time.monotonic()
+        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app], cwd=ROOT, env=full_env,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 400
+        self.wait_healthy(400)
+        self.startup_s = time.monotonic() - started
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(self.url + "/health", timeout=1, verify=self.verify or True).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited:\n{log.read_text()[-3000:]}")
-            try:
-                if requests.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.5)
+                raise RuntimeError(f"gunicorn exited:\n{self.log.read_text()[-3000:]}")
+            if self.healthy():
+                return
+            time.sleep(0.2)
         self.stop()
-        raise RuntimeError(f"gunicorn did not become healthy:\n{log.read_text()[-3000:]}")
+        raise RuntimeError(f"gunicorn did not become healthy:\n{self.log.read_text()[-3000:]}")
+
+    def worker_pids(self) -> list[int]:
+        """The gunicorn master's children: its workers."""
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        return [int(c) for c in children]
 
     def metrics(self) -> dict[str, float]:
         values = {}
-        for line in requests.get(self.url + "/metrics", timeout=5).text.splitlines():
+        for line in requests.get(self.url + "/metrics", timeout=5, verify=self.verify or True).text.splitlines():
             if line and not line.startswith("#"):
                 name, value = line.rsplit(" ", 1)
                 values[name.split("{")[0]] = float(value)
@@ -71,6 +90,24 @@ def server(tmp_path_factory, compile_cache_dir):
                   "JAXLLM_MAX_BODY_BYTES": str(1 << 20)}, log)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tiny_model_dir):
+    """The tiny random Llama with a tiny BPE tokenizer and ChatML template: a server on it starts in seconds."""
+    from tests.tiny_models import add_tiny_tokenizer
+
+    folder, _ = tiny_model_dir("llama")
+    if not (folder / "tokenizer.json").is_file():
+        add_tiny_tokenizer(folder)
+    return folder
+
+
+def tiny_engine_env(folder: Path, compile_cache_dir: str) -> dict[str, str]:
+    return {"JAXLLM_MODEL": str(folder), "JAXLLM_DTYPE": "float32", "JAXLLM_ATTN_IMPL": "reference",
+            "JAXLLM_MATMUL_IMPL": "reference", "JAXLLM_MAX_NUM_SEQS": "16", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "64",
+            "JAXLLM_NUM_PAGES": "1100", "JAXLLM_MAX_MODEL_LEN": "1024",
+            "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir}
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Every error status, in OpenAI's error shape. BAD_INPUTS doubles as the table in the issue note."""
 
 import json
+import time
 
 import pytest
 import requests
@@ -9,43 +10,130 @@ from tests.server.conftest import API_KEY, Server
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "hi"}]
+BIG_INT = "1" + "0" * 5000  # more digits than Python's int() converts by default
+DEEP = "[" * 100_000 + "]" * 100_000
 
-# (name, method, path, body or raw bytes, headers, expected status, expected param)
-BAD_INPUTS = [
-    ("temperature out of range", "post", "/v1/chat/completions", {"messages": CHAT, "temperature": 3}, AUTH, 400,
-     "temperature"),
-    ("n = 0", "post", "/v1/chat/completions", {"messages": CHAT, "n": 0}, AUTH, 400, "n"),
-    ("messages missing", "post", "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct"}, AUTH, 400,
-     "messages"),
-    ("empty messages", "post", "/v1/chat/completions", {"messages": []}, AUTH, 400, "messages"),
-    ("unknown role", "post", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, AUTH,
-     400, "messages.0.role"),
-    ("image content part", "post", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, AUTH, 400,
-     "messages"),
-    ("top_logprobs without logprobs", "post", "/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, AUTH,
-     400, "top_logprobs"),
-    ("five stop strings", "post", "/v1/chat/completions", {"messages": CHAT, "stop": list("abcde")}, AUTH, 400,
-     "stop"),
-    ("tools", "post", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, AUTH, 400,
-     "tools"),
-    ("logit_bias key not a token id", "post", "/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}},
-     AUTH, 400, "logit_bias"),
-    ("max_tokens = 0", "post", "/v1/completions", {"prompt": "x", "max_tokens": 0}, AUTH, 400, "max_tokens"),
-    ("min_tokens > max_tokens", "post", "/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5},
-     AUTH, 400, "min_tokens"),
-    ("prompt token id out of vocab", "post", "/v1/completions", {"prompt": [1, 10**7]}, AUTH, 400, "prompt"),
-    ("empty prompt", "post", "/v1/completions", {"prompt": ""}, AUTH, 400, "prompt"),
-    ("prompt longer than the context", "post", "/v1/completions", {"prompt": "hello " * 1100}, AUTH, 400,
-     "prompt"),
-    ("body is not JSON", "post", "/v1/completions", b"{not json", AUTH, 400, None),
-    ("no API key", "post", "/v1/chat/completions", {"messages": CHAT}, {}, 401, None),
-    ("wrong API key", "get", "/v1/models", None, {"Authorization": "Bearer nope"}, 401, None),
-    ("unknown model", "post", "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, AUTH, 404, "model"),
-    ("unknown route", "get", "/v1/nothing", None, AUTH, 404, None),
-    ("wrong method", "get", "/v1/chat/completions", None, AUTH, 405, None),
-    ("body over 1 MiB", "post", "/v1/completions", {"prompt": "x" * (1 << 20)}, AUTH, 413, None),
+
+def _raw(text: str) -> bytes:
+    return text.encode()
+
+
+# Sampling options: one validation (SamplingParams, then the engine's limits), so chat and completions reject the
+# same things. (name, extra body fields or raw JSON fragment, param)
+SAMPLING = [
+    ("max_tokens beyond the context left", {"max_tokens": 100_000}, "max_tokens"),
+    ("max_tokens = 0", {"max_tokens": 0}, "max_tokens"),
+    ("max_tokens a string", {"max_tokens": "12"}, "max_tokens"),
+    ("n above the server's maximum", {"n": 17}, "n"),
+    ("n = 0", {"n": 0}, "n"),
+    ("n true", {"n": True}, "n"),
+    ("temperature above 2", {"temperature": 3}, "temperature"),
+    ("temperature NaN", ', "temperature": NaN', "temperature"),
+    ("top_p Infinity", ', "top_p": Infinity', "top_p"),
+    ("presence_penalty -1e999", ', "presence_penalty": -1e999', "presence_penalty"),
+    ("frequency_penalty 3", {"frequency_penalty": 3}, "frequency_penalty"),
+    ("repetition_penalty 0", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("top_k 10**30", {"top_k": 10**30}, "top_k"),
+    ("min_p 1.5", {"min_p": 1.5}, "min_p"),
+    ("min_tokens > max_tokens", {"max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("301 logit_bias entries", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("logit_bias id outside the vocabulary", {"logit_bias": {"49152": 1}}, "logit_bias"),
+    ("logit_bias key not a token id", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("logit_bias value 1000", {"logit_bias": {"5": 1000}}, "logit_bias.5"),
+    ("seed 2**64", {"seed": 2**64}, "seed"),
+    ("seed 1.5", {"seed": 1.5}, "seed"),
+    ("17 stop strings", {"stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ("stop string of 10k characters", {"stop": "x" * 10_000}, "stop"),
+    ("empty stop string", {"stop": [""]}, "stop.0"),
+    ("stop a number", {"stop": 5}, "stop"),
+    ("stop_token_ids outside the vocabulary", {"stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("empty cache_salt", {"cache_salt": ""}, "cache_salt"),
+    ("stream_options without stream", {"stream_options": {"include_usage": True}}, "stream_options"),
+    ("an integer of 5000 digits", ', "max_tokens": ' + BIG_INT, None),
+    ("model name of 300 characters", {"model": "m" * 300}, "model"),
 ]
+CHAT_ONLY = [
+    ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
+    ("max_completion_tokens beyond the context", {"max_completion_tokens": 10**6}, "max_tokens"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "x"}}]}]}, "messages.0.content.0"),
+    ("unknown content part type", {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
+     "messages.0.content.0.type"),
+    ("text part without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content.0"),
+    ("empty messages", {"messages": []}, "messages"),
+    ("messages not a list", {"messages": "hi"}, "messages"),
+    ("whitespace-only messages", {"messages": [{"role": "user", "content": " \n\t "}]}, "messages"),
+    ("lone surrogate in content", ', "messages": [{"role": "user", "content": "a\\ud800b"}]', "messages.0.content"),
+    ("chat_template_kwargs overriding the server", {"chat_template_kwargs": {"tokenize": False}},
+     "chat_template_kwargs"),
+    ("tools", {"tools": [{"type": "function"}]}, "tools"),
+    ("response_format json_schema", {"response_format": {"type": "json_schema"}}, "response_format"),
+]
+COMPLETION_ONLY = [
+    ("logprobs 21", {"logprobs": 21}, "logprobs"),
+    ("prompt token id outside the vocabulary", {"prompt": [1, 10**7]}, "prompt"),
+    ("negative prompt token id", {"prompt": [1, -5]}, "prompt"),
+    ("float prompt token ids", {"prompt": [1.5, 2.0]}, "prompt"),
+    ("boolean prompt token ids", {"prompt": [True, False]}, "prompt"),
+    ("empty prompt", {"prompt": ""}, "prompt"),
+    ("whitespace-only prompt", {"prompt": "   \n"}, "prompt"),
+    ("empty prompt list", {"prompt": []}, "prompt"),
+    ("empty token list in a batch", {"prompt": [[1, 2], []]}, "prompt"),
+    ("prompt longer than the context", {"prompt": "hello " * 1100}, "prompt"),
+    ("lone surrogate in the prompt", ', "prompt": "x\\udfffy"', "prompt"),
+    ("echo with logprobs", {"echo": True, "logprobs": 1}, "echo"),
+    ("suffix", {"suffix": "end"}, "suffix"),
+    ("best_of different from n", {"best_of": 3}, "best_of"),
+    ("100 prompts x n=16 beyond capacity", {"prompt": [[1, 2]] * 100, "n": 16}, "n"),
+]
+CHAT_BASE, COMPLETION_BASE = {"messages": CHAT}, {"prompt": "hi"}
+
+
+def _body(base: dict, extra) -> dict | bytes:
+    if isinstance(extra, str):  # a raw JSON fragment: values json.dumps cannot write (NaN, huge ints, surrogates)
+        return _raw(json.dumps(base)[:-1] + extra + "}")
+    return {**base, **extra}
+
+
+# (name, method, path, body (dict, or raw bytes), headers, expected status, expected param)
+BAD_INPUTS = (
+    [(f"chat: {n}", "post", "/v1/chat/completions", _body(CHAT_BASE, e), AUTH, 400, p) for n, e, p in SAMPLING]
+    + [(f"completions: {n}", "post", "/v1/completions", _body(COMPLETION_BASE, e), AUTH, 400, p)
+       for n, e, p in SAMPLING]
+    + [(f"chat: {n}", "post", "/v1/chat/completions", _body(CHAT_BASE, e), AUTH, 400, p) for n, e, p in CHAT_ONLY]
+    + [(f"completions: {n}", "post", "/v1/completions", _body(COMPLETION_BASE, e), AUTH, 400, p)
+       for n, e, p in COMPLETION_ONLY]
+    + [
+        ("tokenize: neither prompt nor messages", "post", "/tokenize", {}, AUTH, 400, "prompt"),
+        ("tokenize: both prompt and messages", "post", "/tokenize", {"prompt": "x", "messages": CHAT}, AUTH, 400,
+         "prompt"),
+        ("tokenize: empty prompt", "post", "/tokenize", {"prompt": ""}, AUTH, 400, "prompt"),
+        ("tokenize: lone surrogate", "post", "/tokenize", _raw('{"prompt": "\\ud800"}'), AUTH, 400, "prompt"),
+        ("tokenize: unknown role", "post", "/tokenize", {"messages": [{"role": "x", "content": "y"}]}, AUTH, 400,
+         "messages.0.role"),
+        ("tokenize: no API key", "post", "/tokenize", {"prompt": "x"}, {}, 401, None),
+        ("detokenize: token outside the vocabulary", "post", "/detokenize", {"tokens": [1, 10**6]}, AUTH, 400,
+         "tokens"),
+        ("detokenize: tokens as strings", "post", "/detokenize", {"tokens": ["a"]}, AUTH, 400, "tokens.0"),
+        ("detokenize: no API key", "post", "/detokenize", {"tokens": [1]}, {}, 401, None),
+        ("body is not JSON", "post", "/v1/completions", b"{not json", AUTH, 400, None),
+        ("body is a JSON array", "post", "/v1/chat/completions", b"[1, 2]", AUTH, 400, None),
+        ("body is not UTF-8", "post", "/v1/completions", b'{"prompt": "\xff\xfe"}', AUTH, 400, None),
+        ("JSON nested 100000 deep", "post", "/v1/chat/completions", DEEP.encode(), AUTH, 400, None),
+        ("JSON nested 40 deep in a field", "post", "/v1/chat/completions",
+         {"messages": CHAT, "chat_template_kwargs": {"x": json.loads("[" * 40 + "]" * 40)}}, AUTH, 400, None),
+        ("messages missing", "post", "/v1/chat/completions", {"model": "SmolLM2-135M-Instruct"}, AUTH, 400,
+         "messages"),
+        ("no API key", "post", "/v1/chat/completions", {"messages": CHAT}, {}, 401, None),
+        ("wrong API key", "get", "/v1/models", None, {"Authorization": "Bearer nope"}, 401, None),
+        ("unknown model", "post", "/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, AUTH, 404, "model"),
+        ("unknown route", "get", "/v1/nothing", None, AUTH, 404, None),
+        ("wrong method", "get", "/v1/chat/completions", None, AUTH, 405, None),
+        ("body over 1 MiB", "post", "/v1/completions", {"prompt": "x" * (1 << 20)}, AUTH, 413, None),
+    ])
 
 
 def check_error(resp, status, param=None):
@@ -64,14 +152,19 @@ def check_error(resp, status, param=None):
 def test_bad_input(server, name, method, path, body, headers, status, param):
     kwargs = {"data": body, "headers": {**headers, "Content-Type": "application/json"}} if isinstance(body, bytes) \
         else {"json": body, "headers": headers}
+    start = time.monotonic()
     resp = getattr(requests, method)(server.url + path, timeout=60, **kwargs)
+    took = time.monotonic() - start
     check_error(resp, status, param)
-
-
-def test_errors_leak_no_pages(server):
-    m = server.metrics()
+    assert took < 1.0, f"{took:.2f} s"
+    m = server.metrics()  # nothing was admitted, nothing leaked
+    assert m["jaxllm_num_requests_running"] == 0 and m["jaxllm_num_requests_waiting"] == 0
     assert m["jaxllm_kv_cache_free_pages"] == m["jaxllm_kv_cache_pages"]
-    assert m["jaxllm_num_requests_running"] == 0
+
+
+def test_the_table_covers_every_class():
+    assert len(BAD_INPUTS) >= 40
+    assert {b[2] for b in BAD_INPUTS} >= {"/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize"}
 
 
 def test_openai_client_raises_typed_errors(client):
