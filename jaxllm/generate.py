@@ -16,7 +16,8 @@ import time
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.sampling_params import SamplingParams, SamplingParamsError
+from jaxllm.errors import InvalidRequestError
+from jaxllm.sampling_params import SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
             min_tokens=args.min_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
             ignore_eos=args.ignore_eos, logprobs=args.logprobs)
-    except SamplingParamsError as e:
+    except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     engine = LLMEngine(_engine_config(args), warmup=args.warmup)
@@ -92,10 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     system = [{"role": "system", "content": args.system}] if args.system else []
     start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        ids = tok.encode(prompt) if args.raw else tok.apply_chat_template(
-            system + [{"role": "user", "content": prompt}], tokenize=True)
-        engine.add_request(str(i), ids, params)
+    try:
+        prepared = [engine.prepare_prompt(prompt if args.raw else tok.apply_chat_template(
+            system + [{"role": "user", "content": prompt}], tokenize=True), params) for prompt in prompts]
+    except InvalidRequestError as e:  # the same checks as the Python API and the server
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, prep in enumerate(prepared):
+        engine.add_request(str(i), prep[1], params, prepared=prep)
     stream = len(prompts) == 1 and args.n == 1
     printed, first_token_at, prompt_tokens, generated = 0, None, 0, 0
     while engine.has_unfinished_requests():

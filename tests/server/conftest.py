@@ -15,6 +15,7 @@ from tests.conftest import ENGINE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
+ORIGIN = "https://app.example"  # the one origin CORS allows on tiny_server
 ENGINE_ENV = {f"JAXLLM_{k.upper()}": str(v) for k, v in ENGINE_OPTIONS.items()}
 
 
@@ -115,3 +116,26 @@ def client(server):
     import openai
 
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tls_ca():
+    import trustme
+
+    return trustme.CA()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tmp_path_factory, tiny_folder, compile_cache_dir, tls_ca):
+    """HTTPS (a trustme certificate), CORS for one origin, an API key, and the device-failure hook."""
+    d = tmp_path_factory.mktemp("tiny_server")
+    cert = tls_ca.issue_cert("127.0.0.1", "localhost")
+    cert.private_key_pem.write_to_path(d / "key.pem")
+    cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
+    tls_ca.cert_pem.write_to_path(d / "ca.pem")
+    srv = Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_SSL_CERTFILE": str(d / "cert.pem"),
+                  "JAXLLM_SSL_KEYFILE": str(d / "key.pem"), "JAXLLM_ALLOWED_ORIGINS": ORIGIN},
+                 d / "server.log", app="tests.server.faulty_app:app",
+                 engine_env=tiny_engine_env(tiny_folder, compile_cache_dir), verify=str(d / "ca.pem"))
+    yield srv
+    srv.stop()

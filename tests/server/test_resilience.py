@@ -11,34 +11,10 @@ import time
 import pytest
 import requests
 
-from tests.server.conftest import API_KEY, Server, tiny_engine_env
+from tests.server.conftest import API_KEY, ORIGIN, Server
 from tests.server.faulty_app import DEVICE_FAILURE
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-ORIGIN = "https://app.example"
-
-
-@pytest.fixture(scope="module")
-def tls_ca():
-    import trustme
-
-    return trustme.CA()
-
-
-@pytest.fixture(scope="module")
-def tiny_server(tmp_path_factory, tiny_folder, compile_cache_dir, tls_ca):
-    """HTTPS (a trustme certificate), CORS for one origin, an API key, and the device-failure hook."""
-    d = tmp_path_factory.mktemp("tiny_server")
-    cert = tls_ca.issue_cert("127.0.0.1", "localhost")
-    cert.private_key_pem.write_to_path(d / "key.pem")
-    cert.cert_chain_pems[0].write_to_path(d / "cert.pem")
-    tls_ca.cert_pem.write_to_path(d / "ca.pem")
-    srv = Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_SSL_CERTFILE": str(d / "cert.pem"),
-                  "JAXLLM_SSL_KEYFILE": str(d / "key.pem"), "JAXLLM_ALLOWED_ORIGINS": ORIGIN},
-                 d / "server.log", app="tests.server.faulty_app:app",
-                 engine_env=tiny_engine_env(tiny_folder, compile_cache_dir), verify=str(d / "ca.pem"))
-    yield srv
-    srv.stop()
 
 
 def long_stream(srv: Server, i: int, log: dict, max_tokens: int = 900):

@@ -1,0 +1,75 @@
+"""Prefix-cache isolation: SHA-256 page hashes, every hit checked against what the page really holds, and
+`cache_salt` keeping tenants' pages apart (vLLM advisory GHSA-rm76-4mrf-v9r8 is the attack this stops)."""
+
+from jaxllm.engine import block_manager as bm_module
+from jaxllm.engine.block_manager import BlockManager, page_hash, root_hash
+from jaxllm.engine.scheduler import Scheduler
+from tests.engine.test_scheduler import PAGE, make_request, run_step
+
+
+def admit_and_compute(sched, bm, request):
+    """Runs steps until the request's prompt is computed (its full pages registered in the cache)."""
+    for seq in request.seqs:
+        sched.add(seq)
+    while request.seqs[0].num_computed_tokens < request.seqs[0].num_prompt_tokens:
+        run_step(sched, bm)
+    return request.seqs[0]
+
+
+def salted(rid, prompt, salt):
+    request = make_request(rid, prompt)
+    request.cache_salt = salt
+    return request
+
+
+def test_hashes_are_sha256_chained_and_salted():
+    a, b = root_hash(None), root_hash("tenant-a")
+    assert len(a) == 32 and a != b != root_hash("tenant-b")
+    assert page_hash(a, [1, 2, 3, 4]) != page_hash(b, [1, 2, 3, 4])
+    assert page_hash(a, [1, 2, 3, 4]) != page_hash(a, [1, 2, 3, 5])
+    assert page_hash(page_hash(a, [1, 2, 3, 4]), [5]) != page_hash(page_hash(a, [9, 2, 3, 4]), [5])
+
+
+def test_a_forced_hash_collision_reuses_no_wrong_page(monkeypatch):
+    """With the hash made constant (every page collides), a prompt sharing no tokens with the cached one
+    must get no cached page, while the real prefix still hits (the check is on contents, not on the hash)."""
+    monkeypatch.setattr(bm_module, "page_hash", lambda prev, tokens: b"\0" * 32)
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    victim = list(range(100, 113))  # 3 full pages + 1 token
+    admit_and_compute(sched, bm, make_request("victim", victim))
+    assert len(bm.page_of_hash) == 1  # every page hashed the same: only the first got registered
+
+    attacker = make_request("attacker", list(range(500, 513)))
+    assert bm.cached_prefix(attacker.seqs[0]) == []
+    # Same first page, different second page: at most the first page is shared.
+    mixed = make_request("mixed", victim[:4] + [1, 2, 3, 4] + victim[8:])
+    assert len(bm.cached_prefix(mixed.seqs[0])) <= 1
+    same = make_request("same", victim)
+    assert len(bm.cached_prefix(same.seqs[0])) == 1  # a true hit still works (the one registered page)
+
+
+def test_a_collision_with_a_refilled_parent_page_is_refused(monkeypatch):
+    """A cached child page whose parent page was evicted and refilled (same tokens, new generation) no longer
+    holds this prefix's KV: the parent's generation in the child's key catches it."""
+    bm = BlockManager(4, PAGE)
+    prompt = list(range(1, 10))  # 2 full pages + 1
+    seq = make_request("a", prompt).seqs[0]
+    bm.grow(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    bm.cache_full_pages(seq)
+    first, second = seq.block_table[:2]
+    bm.release(seq)
+    assert bm.cached_prefix(make_request("b", prompt).seqs[0]) == [first, second]
+    bm.generation[first] += 1  # as if the first page had been refilled with the same tokens and re-registered
+    assert bm.cached_prefix(make_request("c", prompt).seqs[0]) == [first]  # the child is not trusted any more
+
+
+def test_cache_salt_separates_tenants():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = list(range(200, 217))  # 4 full pages + 1
+    admit_and_compute(sched, bm, salted("a1", prompt, "tenant-a"))
+    assert bm.cached_prefix(salted("a2", prompt, "tenant-a").seqs[0]) != []  # same tenant: shared
+    assert bm.cached_prefix(salted("b", prompt, "tenant-b").seqs[0]) == []  # other tenant: nothing
+    assert bm.cached_prefix(make_request("unsalted", prompt).seqs[0]) == []  # no salt: nothing either
