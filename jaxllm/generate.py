@@ -26,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("prompts", nargs="*", help="prompts (default: one per line of stdin)")
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", help="HF folder, GGUF file or jaxllm orbax checkpoint (default: embedded SmolLM2)")
-    m.add_argument("--preset", default="smollm2-cpu", help="engine preset in configs/ or a TOML file "
+    m.add_argument("--preset", default="smollm2-cpu", help="engine preset in jaxllm/configs/ or a TOML file "
                    "(default: smollm2-cpu)")
     m.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
     m.add_argument("--tensor-parallel-size", type=int, help="devices to shard the model over")

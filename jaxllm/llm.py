@@ -21,7 +21,7 @@ Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt
 class LLM:
     """``LLM()`` serves the embedded SmolLM2; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint;
     ``LLM(model=module, tokenizer=tok)`` a model object built or edited in a notebook. Other keywords are
-    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a file in configs/."""
+    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a preset in jaxllm/configs/."""
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
                  preset: str | None = None, **engine_options: Any):

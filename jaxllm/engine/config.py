@@ -1,16 +1,32 @@
 """Engine configuration: a frozen dataclass that validates itself, loadable from a TOML preset in
-`configs/` and overridable by keyword (CLI flags, environment variables)."""
+`jaxllm/configs/` (package data, so a wheel carries them) and overridable by keyword (CLI flags, environment
+variables)."""
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from jaxllm.config import ConfigError
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+
+def preset_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("jaxllm.configs").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def read_preset(name_or_path: str) -> tuple[str, str]:
+    """(where it came from, TOML text) of a preset by name (e.g. "smollm2-cpu") or of a TOML file path."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return str(path), path.read_text()
+    preset = resources.files("jaxllm.configs").joinpath(f"{name_or_path}.toml")
+    if not preset.is_file():
+        raise ConfigError(f"no engine preset {name_or_path!r}; presets: {', '.join(preset_names())}")
+    return f"preset {name_or_path}", preset.read_text()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,18 +83,13 @@ class EngineConfig:
 
     @classmethod
     def from_preset(cls, name_or_path: str, **overrides: Any) -> EngineConfig:
-        """A preset from configs/ (by name, e.g. "smollm2-cpu") or a TOML file path, then overrides."""
-        path = Path(name_or_path)
-        if not path.is_file():
-            path = CONFIG_DIR / f"{name_or_path}.toml"
-        if not path.is_file():
-            names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
-            raise ConfigError(f"no engine preset {name_or_path!r}; presets: {', '.join(names)}")
-        raw = tomllib.loads(path.read_text()).get("engine", {})
+        """A preset from jaxllm/configs/ (by name, e.g. "smollm2-cpu") or a TOML file path, then overrides."""
+        source, text = read_preset(name_or_path)
+        raw = tomllib.loads(text).get("engine", {})
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(raw) - fields
         if unknown:
-            raise ConfigError(f"{path}: unknown engine options {sorted(unknown)}")
+            raise ConfigError(f"{source}: unknown engine options {sorted(unknown)}")
         if "token_buckets" in raw:
             raw["token_buckets"] = tuple(raw["token_buckets"])
         return cls(**{**raw, **{k: v for k, v in overrides.items() if v is not None}})

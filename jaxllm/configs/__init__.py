@@ -1,0 +1,1 @@
+"""Engine presets (TOML), read with importlib.resources so an installed wheel carries them."""
