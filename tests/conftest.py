@@ -51,3 +51,19 @@ def smollm2_llm(compile_cache_dir):
     from jaxllm import LLM
 
     return LLM(compilation_cache_dir=compile_cache_dir, **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm_default_kernels(compile_cache_dir):
+    """The same engine with the default kernel choice (auto: the CPU attention and matmul kernels here), which
+    is what users run."""
+    from jaxllm import LLM
+
+    return LLM(compilation_cache_dir=compile_cache_dir, **{**ENGINE_OPTIONS, "attn_impl": "auto"})
+
+
+@pytest.fixture(params=["reference", "auto"])
+def any_smollm2_llm(request):
+    """Runs a test on both kernel choices."""
+    name = "smollm2_llm" if request.param == "reference" else "smollm2_llm_default_kernels"
+    return request.getfixturevalue(name)

@@ -11,6 +11,9 @@ import pytest
 from jaxllm import SamplingParams
 from jaxllm.engine import compile_monitor
 from jaxllm.engine.engine_loop import EngineLoop
+from tests.conftest import ENGINE_OPTIONS
+
+ENGINE_OPTIONS_DEFAULT = {**ENGINE_OPTIONS, "attn_impl": "auto"}
 
 QUESTIONS = [
     "What is the capital of France?", "Name three primary colors.", "Write a haiku about autumn.",
@@ -26,7 +29,8 @@ def chat_ids(llm, question):
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}], tokenize=True)
 
 
-def test_16_greedy_prompts_in_one_call_match_transformers(smollm2_llm, smollm2_path):
+def test_16_greedy_prompts_in_one_call_match_transformers(any_smollm2_llm, smollm2_path):
+    smollm2_llm = any_smollm2_llm
     import torch
     import transformers
 
@@ -59,7 +63,8 @@ def _final(q, timeout=120):
             return out
 
 
-def test_batch_invariance_greedy_and_seeded(smollm2_llm):
+def test_batch_invariance_greedy_and_seeded(any_smollm2_llm):
+    smollm2_llm = any_smollm2_llm
     target = chat_ids(smollm2_llm, "Tell me a short story about a robot learning to paint.")
     greedy = SamplingParams(temperature=0, max_tokens=40)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=40, seed=1234)
@@ -87,7 +92,8 @@ def test_batch_invariance_greedy_and_seeded(smollm2_llm):
     assert alone[0] != alone[1]
 
 
-def test_prefix_cache_hit_counts(smollm2_llm):
+def test_prefix_cache_hit_counts(any_smollm2_llm):
+    smollm2_llm = any_smollm2_llm
     engine = smollm2_llm.engine
     system = [{"role": "system", "content": "You are a meticulous assistant. " * 16}]
     tok = smollm2_llm.get_tokenizer()
@@ -112,6 +118,39 @@ def test_abort_frees_pages(smollm2_llm):
     engine.abort_request("to-abort")
     assert engine.block_manager.num_free_pages == free_before
     assert not engine.has_unfinished_requests()
+
+
+def test_cache_salt_keeps_prefix_pages_apart(smollm2_llm):
+    """Requests with different cache_salt values never share cached pages; the same salt does."""
+    system = [{"role": "system", "content": "You are a careful assistant for tenant data. " * 12}]
+    tok = smollm2_llm.get_tokenizer()
+    prompt = tok.apply_chat_template(system + [{"role": "user", "content": "Hi"}], tokenize=True)
+    params = SamplingParams(temperature=0, max_tokens=2)
+
+    def cached(salt):
+        return smollm2_llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, params,
+                                    use_tqdm=False)[0].num_cached_tokens
+
+    assert cached("tenant-a") == 0  # first time for this salt
+    assert cached("tenant-a") > 64  # same salt: hit
+    assert cached("tenant-b") == 0  # another tenant sees nothing of tenant-a's pages
+    assert cached(None) == 0 and cached(None) > 64
+
+
+def test_preemption_keeps_greedy_outputs(compile_cache_dir, smollm2_llm_default_kernels):
+    """With too few pages for the batch, sequences are preempted and recomputed; their greedy tokens are those
+    of the roomy engine (default kernels)."""
+    from jaxllm import LLM
+
+    prompts = [{"prompt_token_ids": chat_ids(smollm2_llm_default_kernels, q)} for q in QUESTIONS[:8]]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in smollm2_llm_default_kernels.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(compilation_cache_dir=compile_cache_dir, **{**ENGINE_OPTIONS_DEFAULT, "num_pages": 24})
+    outs = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert outs == roomy
+    bm = tight.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages
 
 
 def test_no_recompilation_after_warmup(smollm2_llm):
