@@ -70,14 +70,18 @@ class Generation:
         left, APIError when the engine died or the request failed."""
         metrics = self.state.metrics
         last = None
+        checked = time.monotonic()
         while len([o for o in self.latest.values() if o.finished]) < len(self.ids):
             item = self.stream.get(timeout=POLL_S)
-            if item is None:
+            now = time.monotonic()
+            if item is None or now - checked >= POLL_S:  # outputs may arrive every step: check on a clock
+                checked = now
                 if not self.state.loop.alive:
                     raise APIError(503, "the engine died", code="engine_dead")
                 if self.client_gone is not None and self.client_gone():
                     self.finish()
                     raise ClientGone
+            if item is None:
                 continue
             if isinstance(item, EngineDeadError):
                 raise APIError(503, f"the engine failed: {item}", code="engine_dead")
@@ -85,7 +89,6 @@ class Generation:
                 raise APIError(500, f"the request failed: {item}", code="request_failed")
             if item.error is not None:
                 raise APIError(500, f"the request failed: {item.error}", code="request_failed")
-            now = time.monotonic()
             if self.first_output_at is None:
                 self.first_output_at = now
                 metrics.ttft.observe(now - self.start)

@@ -77,7 +77,7 @@ class EngineLoop:
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stops after the in-flight requests finish, or after drain_timeout_s (they are then aborted)."""
         deadline = time.monotonic() + drain_timeout_s
-        while self.alive and self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        while self.alive and self.stats.get("num_requests", 0) and time.monotonic() < deadline:
             time.sleep(0.02)
         self._stopping = True
         self._inbox.put(("stop", None))

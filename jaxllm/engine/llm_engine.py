@@ -294,6 +294,7 @@ class LLMEngine:
     def stats(self) -> dict:
         """Read on the engine's own thread; other threads read `published_stats`."""
         return {
+            "num_requests": len(self.requests),
             "num_running": self.num_running,
             "num_waiting": self.num_waiting,
             "kv_cache_usage": self.block_manager.usage,

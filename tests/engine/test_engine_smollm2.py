@@ -29,22 +29,31 @@ def chat_ids(llm, question):
     return llm.get_tokenizer().apply_chat_template([{"role": "user", "content": question}], tokenize=True)
 
 
-def test_16_greedy_prompts_in_one_call_match_transformers(any_smollm2_llm, smollm2_path):
-    smollm2_llm = any_smollm2_llm
+@pytest.fixture(scope="module")
+def transformers_greedy(smollm2_llm, smollm2_path):
+    """The 16 chat prompts and transformers' 64 greedy tokens for each (computed once for both kernel choices)."""
     import torch
     import transformers
 
     prompts = [chat_ids(smollm2_llm, q) for q in QUESTIONS]
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    outs = smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
                                                            dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None
-    for prompt, out in zip(prompts, outs, strict=True):
+    refs = []
+    for prompt in prompts:
         with torch.no_grad():
             ids = torch.tensor([prompt])
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=64)
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist(), out.outputs[0].text
+        refs.append(ref[0, len(prompt):].tolist())
+    return prompts, refs
+
+
+def test_16_greedy_prompts_in_one_call_match_transformers(any_smollm2_llm, transformers_greedy):
+    prompts, refs = transformers_greedy
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = any_smollm2_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for ref, out in zip(refs, outs, strict=True):
+        assert out.outputs[0].token_ids == ref, out.outputs[0].text
         assert out.outputs[0].finish_reason == "length"
 
 

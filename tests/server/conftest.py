@@ -94,14 +94,17 @@ def server(tmp_path_factory, compile_cache_dir):
 
 
 @pytest.fixture(scope="session")
-def tiny_folder(tiny_model_dir):
+def tiny_folder(tiny_model_dir, tmp_path_factory):
     """The tiny random Llama with a tiny BPE tokenizer and ChatML template: a server on it starts in seconds."""
+    import shutil
+
     from tests.tiny_models import add_tiny_tokenizer
 
     folder, _ = tiny_model_dir("llama")
-    if not (folder / "tokenizer.json").is_file():
-        add_tiny_tokenizer(folder)
-    return folder
+    with_tokenizer = tmp_path_factory.mktemp("tiny_llama_tokenizer") / "llama"
+    shutil.copytree(folder, with_tokenizer)  # other tests use the tiny model without a tokenizer
+    add_tiny_tokenizer(with_tokenizer)
+    return with_tokenizer
 
 
 def tiny_engine_env(folder: Path, compile_cache_dir: str) -> dict[str, str]:

@@ -63,9 +63,13 @@ def test_64_concurrent_streams_interleave_and_health_stays_fast(server):
         assert last - first > 0.2  # streamed over time, not delivered in one burst
         others = {j for t, j in all_events if first < t < last and j != i}
         assert len(others) >= 8  # other requests' tokens arrived in between
-    print(f"\n/health during the load: {len(health_latencies)} polls, max {max(health_latencies) * 1e3:.1f} ms, "
-          f"median {sorted(health_latencies)[len(health_latencies) // 2] * 1e3:.1f} ms")
-    assert max(health_latencies) < 0.1
+    lat = sorted(health_latencies)
+    p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+    print(f"\n/health during the load: {len(lat)} polls, max {lat[-1] * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
+          f"median {lat[len(lat) // 2] * 1e3:.1f} ms")
+    # p99 as the issue states it; the maximum may be one poll queued behind the burst of 64 arriving requests
+    # (each parsed and tokenized on the one hub thread), but never a stall.
+    assert p99 < 0.1 and lat[-1] < 0.5
 
 
 def parse_metrics(text: str) -> dict[str, float]:
