@@ -8,7 +8,9 @@ from flask import Blueprint, Response, jsonify
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import jaxllm
+from jaxllm.errors import PromptTooLongError
 from jaxllm.tokenizer.chat_template import ChatTemplateError
+from server.bridge import offload
 from server.errors import APIError
 from server.openai_routes import state
 from server.openapi import openapi_document
@@ -62,14 +64,24 @@ def tokenize():
     tok = st.engine.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", param="prompt")
-    if req.messages is not None:
-        try:
-            ids = tok.apply_chat_template([m.as_template_input() for m in req.messages], tokenize=True,
-                                          add_generation_prompt=req.add_generation_prompt)
-        except (ChatTemplateError, ValueError) as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-    else:
-        ids = tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    engine = st.engine
+
+    def token_ids() -> list[int]:
+        if req.messages is not None:
+            text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
+                                           add_generation_prompt=req.add_generation_prompt)
+            engine.check_text_fits(text)
+            return tok.encode(text, add_special_tokens=False)
+        engine.check_text_fits(req.prompt)
+        return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+
+    try:
+        ids = offload(token_ids)  # tokenizing runs off the hub thread
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages" if req.messages is not None else "prompt",
+                       code="context_length_exceeded") from None
+    except (ChatTemplateError, ValueError) as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
     return jsonify({"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len})
 
 

@@ -1,4 +1,5 @@
-"""Hands engine outputs from the engine's OS thread to the greenlet serving the request.
+"""Hands engine outputs from the engine's OS thread to the greenlet serving the request, and runs a request's
+CPU-heavy preparation (chat template, tokenization) off the hub thread.
 
 Under gevent, a per-request `gevent.queue.Queue` is only ever touched by the hub thread: the engine thread
 schedules `put_nowait` on the hub with `loop.run_callback_threadsafe`, which also wakes the hub. Without
@@ -8,6 +9,10 @@ gevent (Flask's test client, a threaded server) a C `_queue.SimpleQueue` does th
 from __future__ import annotations
 
 import _queue
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 def _gevent_active() -> bool:
@@ -44,3 +49,24 @@ class OutputStream:
             return self._queue.get(timeout=timeout)
         except _queue.Empty:  # gevent.queue.Empty is the same class
             return None
+
+
+def offload(fn: Callable[..., T], *args) -> T:
+    """Runs fn(*args) on gevent's pool of real OS threads and waits for it in this greenlet only, so one long
+    prompt being tokenized does not stall every other request's I/O (the tokenizer releases the GIL). Without
+    gevent, calls it directly."""
+    if not _gevent_active():
+        return fn(*args)
+    from gevent import get_hub
+
+    def run():  # exceptions come back as values: gevent would print every refused prompt's traceback
+        try:
+            return True, fn(*args)
+        except Exception as e:
+            return False, e
+
+    ok, value = get_hub().threadpool.apply(run)
+    if not ok:
+        raise value
+    return value
+

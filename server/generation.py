@@ -22,12 +22,13 @@ class ClientGone(Exception):
 
 
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt), with their latest outputs.
+    """The engine requests behind one HTTP request (one per prompt, each already `engine.prepare_prompt`d), with
+    their latest outputs.
 
     Engine request ids are generated here, never taken from the client (an `X-Request-Id` a client chose could
     name another client's request, to abort it or to collide with it)."""
 
-    def __init__(self, state: ServerState, prompts: list[str | list[int]], params: SamplingParams, *,
+    def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, *,
                  cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
         if not state.loop.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
@@ -48,7 +49,7 @@ class Generation:
         added = []
         try:
             for rid, prompt in zip(self.ids, prompts, strict=True):
-                state.loop.add_request(rid, prompt, params, self.stream.push, cache_salt=cache_salt)
+                state.loop.add_request(rid, None, params, self.stream.push, cache_salt=cache_salt, prepared=prompt)
                 added.append(rid)
         except PromptTooLongError as e:
             self._abort(added)

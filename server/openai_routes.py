@@ -9,10 +9,12 @@ from collections.abc import Callable, Iterator
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 
-from jaxllm.errors import InvalidRequestError
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
+from server.bridge import offload
 from server.disconnect import client_gone
 from server.errors import ERROR_TYPES, APIError
 from server.generation import ClientGone, Generation
@@ -36,8 +38,26 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
 
 
 def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None) -> Generation:
+    """Validates and tokenizes the prompts (off the hub thread), then hands them to the engine."""
+    engine = state().engine
+    try:
+        prepared = [offload(engine.prepare_prompt, p, params) for p in prompts]
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise invalid(e) from None
     environ = request.environ
-    return Generation(state(), prompts, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+    return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+
+
+def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
+    """Renders the chat template and tokenizes it; refuses a rendering too long to fit before tokenizing it.
+    Runs on a worker thread: no Flask context here."""
+    messages = [m.as_template_input() for m in req.messages]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                                **(req.chat_template_kwargs or {}))
+    engine.check_text_fits(text)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
 
 
 def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
@@ -173,9 +193,9 @@ def chat_completions():
     if tok is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
     try:
-        messages = [m.as_template_input() for m in req.messages]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-                                      **(req.chat_template_kwargs or {}))
+        ids = offload(chat_prompt_ids, st.engine, req)
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
     gen = start([ids], params, req.cache_salt)

@@ -56,13 +56,15 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.error is None and not self.stopped
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    on_output: Callable[[RequestOutput], None], cache_salt: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
+                    on_output: Callable[[RequestOutput], None], cache_salt: str | None = None, *,
+                    prepared: tuple[str | None, list[int]] | None = None) -> None:
         """Validation errors (InvalidRequestError: bad prompt or parameters) are raised here, in the caller's
-        thread, so nothing a client sends can raise inside the engine thread."""
+        thread, so nothing a client sends can raise inside the engine thread. prepared: the result of
+        `engine.prepare_prompt(prompt, params)`, when the caller already ran it (e.g. on a worker thread)."""
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is stopped")
-        prepared = self.engine.prepare_prompt(prompt, params)
+        prepared = prepared or self.engine.prepare_prompt(prompt, params)
         check_cache_salt(cache_salt)
         self._inbox.put(("add", (request_id, prepared, params, on_output, cache_salt)))
 

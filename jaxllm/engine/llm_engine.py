@@ -81,6 +81,8 @@ class LLMEngine:
         else:
             mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
         self.model, self.tokenizer = model, tokenizer
+        if tokenizer is not None:
+            tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
         self.model_name = config.served_model_name or name
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
@@ -137,6 +139,7 @@ class LLMEngine:
                 raise InvalidRequestError("prompt must contain text other than whitespace", "prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids", "prompt")
+            self.check_text_fits(prompt)
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list | tuple):
             text, ids = None, [check_int("prompt", i, 0, vocab - 1) for i in prompt]
@@ -153,6 +156,17 @@ class LLMEngine:
                 raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
             params.verify(self.limits, len(ids))
         return text, ids
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuses, without tokenizing it, a text too long to fit in the context whatever it tokenizes to (each
+        token is at most `max_token_bytes` of text; 4x slack for normalizers that shrink text). Tokenizing 10 MB
+        takes seconds, so an over-long prompt must not get that far."""
+        limit = 4 * self.max_model_len * self.tokenizer.max_token_bytes
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLongError(f"the prompt has {size} bytes of text, more than {self.max_model_len} tokens "
+                                     f"of this model can hold (this model's maximum context length is "
+                                     f"{self.max_model_len} tokens)")
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, *,

@@ -3,6 +3,7 @@ rebuilt from GGUF metadata, plus the model's chat template and special tokens.""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import tokenizers
@@ -26,7 +27,15 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized on a server's
+        # worker thread then stalls neither the other requests nor the engine thread.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest text one token decodes to, in UTF-8 bytes: a text longer than max_model_len times this
+        (with slack for normalizers) cannot fit, whatever it tokenizes to."""
+        return max(len(self.backend.decode([i], skip_special_tokens=False).encode()) for i in range(self.vocab_size))
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
