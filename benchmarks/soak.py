@@ -33,14 +33,18 @@ class Outcome:
     seconds: float = 0.0
 
 
-def metrics(base: str, session: requests.Session | None = None) -> dict[str, float]:
-    text = (session or requests).get(base + "/metrics", timeout=10).text
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {metric name (labels dropped): value}."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
     return values
+
+
+def metrics(base: str) -> dict[str, float]:
+    return parse_metrics(requests.get(base + "/metrics", timeout=10).text)
 
 
 def random_request(rng: random.Random) -> tuple[str, dict]:

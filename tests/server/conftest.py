@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from benchmarks.soak import parse_metrics
 from tests.conftest import ENGINE_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,12 +68,18 @@ class Server:
         return [int(c) for c in children]
 
     def metrics(self) -> dict[str, float]:
-        values = {}
-        for line in requests.get(self.url + "/metrics", timeout=5, verify=self.verify or True).text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                values[name.split("{")[0]] = float(value)
-        return values
+        return parse_metrics(requests.get(self.url + "/metrics", timeout=5, verify=self.verify or True).text)
+
+    def wait_idle(self, since: float, within: float) -> tuple[bool, float, dict]:
+        """Polls /metrics until nothing runs and every KV page is free, or `within` seconds after `since`:
+        (idle, seconds after `since`, the last metrics)."""
+        while True:
+            m = self.metrics()
+            idle = m["jaxllm_num_requests_running"] == 0 and \
+                m["jaxllm_kv_cache_free_pages"] == m["jaxllm_kv_cache_pages"]
+            if idle or time.monotonic() - since > within:
+                return idle, time.monotonic() - since, m
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:

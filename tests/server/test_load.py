@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.conftest import API_KEY, Server, parse_metrics
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TOPICS = ["the sea", "a city", "a forest", "the moon", "a robot", "music", "rain", "a library"]
@@ -72,15 +72,6 @@ def test_64_concurrent_streams_interleave_and_health_stays_fast(server):
     assert p99 < 0.1 and lat[-1] < 0.5
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
-    return values
-
-
 def test_metrics_hammered_by_8_clients_during_64_streams(server):
     """Scrapes read the snapshot the engine thread publishes between steps, never its live structures: 8 clients
     scraping as fast as they can during a 64-stream load see no error and consistent values."""
@@ -130,14 +121,8 @@ def test_disconnected_clients_free_their_pages_within_a_second(server):
 
     with ThreadPoolExecutor(10) as pool:
         list(pool.map(start_and_drop, range(10)))
-    dropped = time.monotonic()
-    while True:
-        m = server.metrics()
-        idle = m["jaxllm_num_requests_running"] == 0 and m["jaxllm_kv_cache_free_pages"] == m["jaxllm_kv_cache_pages"]
-        if idle or time.monotonic() - dropped > 1.0:
-            break
-        time.sleep(0.05)
-    print(f"\nengine idle {time.monotonic() - dropped:.2f} s after the last of 10 clients dropped")
+    idle, took, m = server.wait_idle(since=time.monotonic(), within=1.0)
+    print(f"\nengine idle {took:.2f} s after the last of 10 clients dropped")
     assert idle, m
 
 

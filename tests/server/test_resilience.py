@@ -140,12 +140,6 @@ def test_abandoned_non_streaming_request_is_aborted(server):
         time.sleep(0.05)
     time.sleep(0.5)
     sock.close()
-    closed = time.monotonic()
-    while True:
-        m = server.metrics()
-        idle = m["jaxllm_num_requests_running"] == 0 and m["jaxllm_kv_cache_free_pages"] == m["jaxllm_kv_cache_pages"]
-        if idle or time.monotonic() - closed > 1.5:
-            break
-        time.sleep(0.05)
-    print(f"\nengine idle {time.monotonic() - closed:.2f} s after the client closed its connection")
+    idle, took, m = server.wait_idle(since=time.monotonic(), within=1.5)
+    print(f"\nengine idle {took:.2f} s after the client closed its connection")
     assert idle, m
