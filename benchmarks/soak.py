@@ -129,7 +129,8 @@ def soak(base: str, api_key: str | None, num_requests: int, concurrency: int, di
     with ThreadPoolExecutor(concurrency) as pool:  # warm-up: one request per client, none dropped
         list(pool.map(lambda i: run_one(base, headers, seed * 7919 + i, False), range(concurrency)))
     wait_idle(base, 30)
-    rss_warm = metrics(base)["process_resident_memory_bytes"]
+    warm = metrics(base)
+    rss_warm = warm["process_resident_memory_bytes"]
 
     health: list[float] = []
     health_errors: list[str] = []
@@ -177,7 +178,7 @@ def soak(base: str, api_key: str | None, num_requests: int, concurrency: int, di
         "health_p50_ms": round(statistics.median(health) * 1e3, 1),
         "health_p99_ms": round(health_sorted[min(len(health) - 1, int(0.99 * len(health)))] * 1e3, 1),
         "latency_median_s": round(statistics.median(o.seconds for o in outcomes if o.kind == "ok"), 2),
-        "generation_tokens": m["jaxllm_generation_tokens_total"],
+        "generation_tokens": m["jaxllm_generation_tokens_total"] - warm["jaxllm_generation_tokens_total"],
     }
 
 
