@@ -37,13 +37,14 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         raise invalid(e) from None
 
 
-def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None) -> Generation:
+def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None,
+          prompt_param: str = "prompt") -> Generation:
     """Validates and tokenizes the prompts (off the hub thread), then hands them to the engine."""
     engine = state().engine
     try:
         prepared = [offload(engine.prepare_prompt, p, params) for p in prompts]
     except PromptTooLongError as e:
-        raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
+        raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except InvalidRequestError as e:
         raise invalid(e) from None
     environ = request.environ
@@ -198,7 +199,7 @@ def chat_completions():
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    gen = start([ids], params, req.cache_salt)
+    gen = start([ids], params, req.cache_salt, prompt_param="messages")
     created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:

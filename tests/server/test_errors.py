@@ -56,6 +56,7 @@ CHAT_ONLY = [
     ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs"),
     ("max_completion_tokens beyond the context", {"max_completion_tokens": 10**6}, "max_tokens"),
+    ("messages longer than the context", {"messages": [{"role": "user", "content": "hello " * 1100}]}, "messages"),
     ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
     ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
         "url": "x"}}]}]}, "messages.0.content.0"),
