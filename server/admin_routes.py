@@ -15,7 +15,7 @@ from server.errors import APIError
 from server.openai_routes import state
 from server.openapi import openapi_document
 from server.parsing import parse
-from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.protocol import DetokenizeRequest, TokenizeRequest, message_chars
 
 bp = Blueprint("admin", __name__)
 STARTED = int(time.time())
@@ -76,7 +76,7 @@ def tokenize():
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     try:
-        ids = offload(token_ids)  # tokenizing runs off the hub thread
+        ids = offload(len(req.prompt) if req.prompt is not None else message_chars(req.messages), token_ids)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param="messages" if req.messages is not None else "prompt",
                        code="context_length_exceeded") from None

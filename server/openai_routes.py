@@ -42,7 +42,7 @@ def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: st
     """Validates and tokenizes the prompts (off the hub thread), then hands them to the engine."""
     engine = state().engine
     try:
-        prepared = [offload(engine.prepare_prompt, p, params) for p in prompts]
+        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params) for p in prompts]
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except InvalidRequestError as e:
@@ -194,7 +194,7 @@ def chat_completions():
     if tok is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
     try:
-        ids = offload(chat_prompt_ids, st.engine, req)
+        ids = offload(req.text_chars(), chat_prompt_ids, st.engine, req)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except (ChatTemplateError, ValueError) as e:

@@ -161,6 +161,11 @@ class ChatMessage(_Model):
         return {"role": role, "content": content or ""}
 
 
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of message text (what templating and tokenizing cost grows with)."""
+    return sum(len(m.as_template_input()["content"]) for m in messages)
+
+
 def _check_messages(messages: list[ChatMessage]) -> None:
     if not any(m.as_template_input()["content"].strip() for m in messages):
         raise ValueError("messages: every message is empty or whitespace")
@@ -191,6 +196,9 @@ class ChatCompletionRequest(_Sampling):
         if reserved:
             raise ValueError(f"chat_template_kwargs: {sorted(reserved)} are set by the server")
         return self
+
+    def text_chars(self) -> int:
+        return message_chars(self.messages)
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

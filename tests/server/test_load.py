@@ -142,3 +142,26 @@ def test_sigterm_drains_in_flight_requests(tmp_path, compile_cache_dir):
     t.join(10)
     assert result["finish"] == "length" and len(result["events"]) > 30  # finished, not cut off
     assert code == 0
+
+
+def test_long_prompts_are_tokenized_off_the_hub_thread(server):
+    """Four 300 KB texts being tokenized (~0.25 s each, under the size that is refused outright) do not stall
+    /health: tokenizing runs on worker threads and releases the GIL."""
+    text = "The quick brown fox jumps over the lazy dog. " * 6_700
+    results, latencies = [], []
+
+    def tokenize(_):
+        r = requests.post(server.url + "/tokenize", json={"prompt": text}, headers=AUTH, timeout=60)
+        results.append((r.status_code, r.json().get("count")))
+
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(tokenize, i) for i in range(4)]
+        while not all(f.done() for f in futures):
+            t = time.monotonic()
+            assert requests.get(server.url + "/health", timeout=5).status_code == 200
+            latencies.append(time.monotonic() - t)
+            time.sleep(0.01)
+    print(f"\n/health while 4 x {len(text) // 1000} KB texts were tokenized: {len(latencies)} polls, "
+          f"max {max(latencies) * 1e3:.1f} ms")
+    assert [s for s, _ in results] == [200] * 4 and all(c > 60_000 for _, c in results)
+    assert len(latencies) >= 5 and max(latencies) < 0.1
