@@ -56,7 +56,7 @@ class LLM:
             if isinstance(prompt, dict):
                 salt = prompt.get("cache_salt")
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
-            prepared.append((self.engine.prepare_prompt(prompt, p), p, salt))
+            prepared.append((self.engine.prepare_prompt(prompt, p, salt), p, salt))
         ids = []
         for (prep, p, salt) in prepared:
             request_id = str(next(self._ids))

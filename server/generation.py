@@ -7,7 +7,6 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
-from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from server.bridge import OutputStream
@@ -51,12 +50,6 @@ class Generation:
             for rid, prompt in zip(self.ids, prompts, strict=True):
                 state.loop.add_request(rid, None, params, self.stream.push, cache_salt=cache_salt, prepared=prompt)
                 added.append(rid)
-        except PromptTooLongError as e:
-            self._abort(added)
-            raise APIError(400, str(e), param="prompt", code="context_length_exceeded") from None
-        except InvalidRequestError as e:
-            self._abort(added)
-            raise APIError(400, str(e), param=e.param) from None
         except EngineDeadError as e:
             self._abort(added)
             raise APIError(503, str(e), code="engine_dead") from None

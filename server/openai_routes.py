@@ -42,7 +42,8 @@ def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: st
     """Validates and tokenizes the prompts (off the hub thread), then hands them to the engine."""
     engine = state().engine
     try:
-        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params) for p in prompts]
+        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt)
+                    for p in prompts]
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except InvalidRequestError as e:

@@ -16,7 +16,7 @@ import time
 import traceback
 from collections.abc import Callable
 
-from jaxllm.engine.llm_engine import LLMEngine, check_cache_salt
+from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -49,7 +49,9 @@ class EngineLoop:
         self._stopping = False
         self.stopped = False
         self.error: str | None = None
-        engine._publish_stats()
+        # The engine's counters for other threads (metrics, health, drain): a fresh dict that only the engine
+        # thread writes, once per loop iteration, and never mutates, so readers need no lock.
+        self.stats: dict = engine.stats()
         start_os_thread(self._run)
 
     @property
@@ -61,17 +63,12 @@ class EngineLoop:
                     prepared: tuple[str | None, list[int]] | None = None) -> None:
         """Validation errors (InvalidRequestError: bad prompt or parameters) are raised here, in the caller's
         thread, so nothing a client sends can raise inside the engine thread. prepared: the result of
-        `engine.prepare_prompt(prompt, params)`, when the caller already ran it (e.g. on a worker thread)."""
+        `engine.prepare_prompt(prompt, params, cache_salt)`, when the caller already ran it (e.g. on a worker
+        thread)."""
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is stopped")
-        prepared = prepared or self.engine.prepare_prompt(prompt, params)
-        check_cache_salt(cache_salt)
+        prepared = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
         self._inbox.put(("add", (request_id, prepared, params, on_output, cache_salt)))
-
-    @property
-    def stats(self) -> dict:
-        """The engine's counters as of its last step (published by the engine thread; safe from any thread)."""
-        return self.engine.published_stats
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -120,8 +117,10 @@ class EngineLoop:
                         kind = None
                 if not self._stopping and self.engine.has_unfinished_requests():
                     self.engine.step()
+                self.stats = self.engine.stats()
             for request_id in list(self.engine.requests):
                 self.engine.abort_request(request_id)
+            self.stats = self.engine.stats()
         except Exception:  # the engine is dead: fail every request instead of leaving it hanging
             self.error = traceback.format_exc()
             logger.error("engine loop died:\n%s", self.error)

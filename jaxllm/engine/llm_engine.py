@@ -100,9 +100,6 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_requests = 0
-        # What other threads may read (metrics, health): a fresh dict published by the engine's own thread
-        # after each change; never mutated in place, so a reader needs no lock.
-        self.published_stats: dict = {}
         compile_monitor.install()
         self.warmup_seconds = 0.0
         if warmup:
@@ -127,11 +124,12 @@ class LLMEngine:
         return num_pages, max_len
 
     # -- requests
-    def prepare_prompt(self, prompt: str | list[int],
-                       params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
-        """Tokenizes and validates a prompt, and the sampling parameters against it and the model's limits (the
-        one validation every entry point goes through); safe to call from any thread. Raises
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+        """Tokenizes and validates a prompt, the sampling parameters against it and the model's limits, and the
+        cache salt (the one validation every entry point goes through); safe to call from any thread. Raises
         InvalidRequestError naming the parameter."""
+        check_cache_salt(cache_salt)
         vocab = self.limits.vocab_size
         if isinstance(prompt, str):
             check_text("prompt", prompt)
@@ -171,13 +169,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, *,
                     prepared: tuple[str | None, list[int]] | None = None, cache_salt: str | None = None) -> Request:
-        """prompt: text or token ids; prepared: the result of prepare_prompt, when already done; cache_salt: requests
-        with different salts never share prefix-cache pages (e.g. one salt per tenant)."""
+        """prompt: text or token ids; prepared: the result of prepare_prompt (which also checked cache_salt), when
+        already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids = prepared or self.prepare_prompt(prompt, params)
-        check_cache_salt(cache_salt)
+        text, ids = prepared or self.prepare_prompt(prompt, params, cache_salt)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
         request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt)
         for i in range(params.n):
@@ -189,7 +186,6 @@ class LLMEngine:
         self.prompt_tokens_total += len(ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
-        self._publish_stats()
         return request
 
     def abort_request(self, request_id: str) -> None:
@@ -201,7 +197,6 @@ class LLMEngine:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
         self._emit(request)
-        self._publish_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -224,9 +219,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_pages(seq)
         touched = self._append_tokens(result)
-        outputs = [out for request in touched if (out := self._emit(request)) is not None]
-        self._publish_stats()
-        return outputs
+        return [out for request in touched if (out := self._emit(request)) is not None]
 
     def _append_tokens(self, result: StepResult) -> list[Request]:
         touched: dict[str, Request] = {}
@@ -302,11 +295,8 @@ class LLMEngine:
             self.requests.pop(request.request_id, None)
             return None
 
-    def _publish_stats(self) -> None:
-        self.published_stats = self.stats()
-
     def stats(self) -> dict:
-        """Read on the engine's own thread; other threads read `published_stats`."""
+        """Read on the engine's own thread; other threads read `EngineLoop.stats`."""
         return {
             "num_requests": len(self.requests),
             "num_running": self.num_running,
