@@ -12,6 +12,8 @@ import _queue
 from collections.abc import Callable
 from typing import TypeVar
 
+from jaxllm.tokenizer.tokenizer import LONG_TEXT_CHARS
+
 T = TypeVar("T")
 
 
@@ -51,7 +53,6 @@ class OutputStream:
             return None
 
 
-OFFLOAD_MIN_CHARS = 16_384  # below this, tokenizing (~1 ms per 1,000 characters) is cheaper than a hand-off
 OFFLOAD_THREADS = 2
 _pool = None
 
@@ -63,7 +64,7 @@ def offload(text_chars: int, fn: Callable[..., T], *args) -> T:
     costs more than it saves and busy pool threads contend with the hub for the GIL (many at once, measured:
     /health 130-220 ms when 64 short requests arrived together). Without gevent, calls fn directly."""
     global _pool
-    if text_chars < OFFLOAD_MIN_CHARS or not _gevent_active():
+    if text_chars < LONG_TEXT_CHARS or not _gevent_active():
         return fn(*args)
     from gevent.threadpool import ThreadPool
 

@@ -10,6 +10,9 @@ import tokenizers
 
 from jaxllm.tokenizer.chat_template import ChatTemplate
 
+# Texts at least this long are tokenized with the GIL released (a server tokenizes them on a worker thread).
+LONG_TEXT_CHARS = 16_384
+
 
 class Tokenizer:
     def __init__(self, tok: tokenizers.Tokenizer, *, bos_token_id: int | None, eos_token_ids: tuple[int, ...],
@@ -28,7 +31,10 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # encode_batch releases the GIL while it works (encode does not): a long prompt tokenized on a server's
-        # worker thread then stalls neither the other requests nor the engine thread.
+        # worker thread then stalls neither the other requests nor the engine thread. A short one keeps the GIL:
+        # taking it back can wait a whole switch interval (5 ms) behind a busy engine thread, for 30 us of work.
+        if len(text) < LONG_TEXT_CHARS:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     @functools.cached_property
