@@ -13,16 +13,47 @@ the OpenMP wait policy), 18.4 ms with the same kernel's chunks shared with one t
 from __future__ import annotations
 
 import ctypes
+import glob
+import hashlib
 import os
 import threading
 
 import jax
+import llvmlite.binding as llvm
 import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+
+def drop_stale_cache(module_file: str) -> None:
+    """Call at the top of a module whose numba functions use this one, before they are defined. numba's on-disk
+    cache checks only the source file of each function, not the files it calls into: after an edit of this
+    file, a kernel module's cached machine code would still hold the old plumbing (offsets, layouts). Its cached
+    files in ``__pycache__`` are deleted when this file's source changed since they were written."""
+    cache_dir = os.path.join(os.path.dirname(module_file), "__pycache__")
+    stem = os.path.splitext(os.path.basename(module_file))[0]
+    stamp_path = os.path.join(cache_dir, f"{stem}.cpu_ffi.stamp")
+    try:
+        with open(stamp_path) as f:
+            if f.read() == _SOURCE_HASH:
+                return
+    except OSError:
+        pass
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for path in glob.glob(os.path.join(cache_dir, f"{stem}.*.nb[ic]")):
+            os.remove(path)
+        with open(stamp_path, "w") as f:
+            f.write(_SOURCE_HASH)
+    except OSError:  # read-only install: numba caches elsewhere, keyed by files that only change together
+        pass
+
+
+with open(__file__, "rb") as _f:
+    _SOURCE_HASH = hashlib.sha256(_f.read() + numba.__version__.encode()).hexdigest()
 
 
 def _load(bits: int):
@@ -126,6 +157,28 @@ def _stack_words(count: int):
     return stack_words
 
 
+def symbol(name: str, function: bool = False):
+    """An intrinsic ``() -> int64``: the address of the process symbol ``name`` (a C function with ``function``,
+    else data), resolved when the compiled code is loaded, not when it is compiled: compiled code that uses it
+    stays valid in numba's on-disk cache from one process to the next. Define the symbol with `export_symbol`
+    before that code is compiled or loaded."""
+    @intrinsic
+    def address(typingctx):
+        def codegen(context, builder, sig, args):
+            g = builder.module.globals.get(name)
+            if g is None:
+                g = ir.Function(builder.module, ir.FunctionType(ir.VoidType(), []), name) if function else \
+                    ir.GlobalVariable(builder.module, ir.IntType(64), name)
+            return builder.ptrtoint(g, ir.IntType(64))
+        return types.int64(), codegen
+    return address
+
+
+def export_symbol(name: str, address: int) -> None:
+    """Makes ``name`` resolve to ``address`` for numba code loaded from now on (see `symbol`)."""
+    llvm.add_symbol(name, address)
+
+
 # -- the call frame (XLA_FFI_CallFrame): api +16, ctx +24, stage +32, args.args +72, rets.rets +112
 @numba.njit(inline="always")
 def buffer(frame, i, ret=False):
@@ -160,132 +213,160 @@ def is_execute(frame):
 # A launch claims a slot of a process-wide table (a late task may still read it after the caller returns, so
 # the slot, not the caller's stack, holds the arguments; it is freed by whoever drops the last reference).
 # Slot layout in 64-byte lines of 8 words: line 0 is [0] references (0 = free), [1] chunks, [2] chunks done,
-# [3] helpers started; lines 1-4 the kernel's words; line 5 + w worker w's range of chunks: [0] the next chunk
-# to claim, [1] the end. Each range counter has its own cache line: its owner claims chunks from it without
-# contention until a worker that ran out of work steals from it.
+# [3] helpers started, [4] the chunk function; lines 1-4 the kernel's words; line 5 + w worker w's range of
+# chunks: [0] the next chunk to claim, [1] the end. Each range counter has its own cache line: its owner claims
+# chunks from it without contention until a worker that ran out of work steals from it.
 # The calling thread is worker 0; one helper per other core. More would only contend for the cores.
-HELPERS = max(0, len(os.sched_getaffinity(0)) - 1) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1) - 1
-WORKERS = HELPERS + 1
+# Everything that differs between processes or machines (the table's address, the worker count, the task's
+# address) is read at run time through exported symbols, never frozen into the compiled code, so that numba's
+# on-disk cache serves every process: compiling this plumbing and the kernels takes seconds, loading them a
+# fraction of one.
+MAX_WORKERS = 64
+_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+WORKERS = min(MAX_WORKERS, max(1, _cores))
+HELPERS = WORKERS - 1
 _WORDS_AT, _RANGES_AT = 64, 320  # byte offsets: the kernel's words (so at most 32 of them), the first range
-NUM_SLOTS, SLOT_WORDS = 256, 8 * (5 + WORKERS)
+NUM_SLOTS, SLOT_WORDS, MAX_SLOT_WORDS = 256, 8 * (5 + WORKERS), 8 * (5 + MAX_WORKERS)
 _slots = np.zeros((NUM_SLOTS, SLOT_WORDS), np.int64)
-SLOTS = _slots.ctypes.data
-_slot_on_stack, _schedule_args, _destroy_args = _stack_words(SLOT_WORDS), _stack_words(5), _stack_words(3)
+_workers = np.array([WORKERS], np.int64)
+export_symbol("jaxllm_cpu_ffi_slots", _slots.ctypes.data)
+export_symbol("jaxllm_cpu_ffi_workers", _workers.ctypes.data)
+export_symbol("jaxllm_cpu_ffi_sched_yield", ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value)
+_slots_address, _workers_address = symbol("jaxllm_cpu_ffi_slots"), symbol("jaxllm_cpu_ffi_workers")
+_sched_yield, _task_address = symbol("jaxllm_cpu_ffi_sched_yield", True), symbol("jaxllm_cpu_ffi_task", True)
+_slot_on_stack, _schedule_args, _destroy_args = _stack_words(MAX_SLOT_WORDS), _stack_words(5), _stack_words(3)
 # Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
 # thread wants it) a spin must not hold a core for a whole time slice.
-SCHED_YIELD = ctypes.cast(ctypes.CDLL(None).sched_yield, ctypes.c_void_p).value
 SPINS_BEFORE_YIELD = 1000
 API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Schedule, XLA_FFI_Error_Destroy
+_CACHED = dict(nogil=True, cache=True)
 
 
-def parallel_for(run_chunk, split: bool = False):
-    """``launch(frame, words, num_chunks)``: runs ``run_chunk(words_addr, chunk)`` for every chunk, shared by the
-    calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 32 int64: addresses,
-    sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk is done.
+@numba.njit(inline="always", **_CACHED)
+def workers():
+    """How many threads share a launch (this process's value, read at run time)."""
+    return load64(_workers_address())
+
+
+@intrinsic
+def _call_chunk(typingctx, fn, words, chunk):
+    """Calls the C function at address ``fn`` as ``void fn(int64 words, int64 chunk)``."""
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        f = builder.inttoptr(args[0], ir.FunctionType(ir.VoidType(), [i64, i64]).as_pointer())
+        builder.call(f, [args[1], args[2]])
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+@numba.njit(**_CACHED)
+def _drain(slot, worker):
+    """Runs chunks for ``worker``: its own range first, then what is left of the others'."""
+    n, fn, done = workers(), load64(slot + 32), 0
+    for j in range(n):
+        counter = slot + _RANGES_AT + 64 * ((worker + j) % n)
+        end = load64(counter + 8)
+        while True:
+            c = fetch_add(counter, 1)
+            if c >= end:
+                break
+            _call_chunk(fn, slot + _WORDS_AT, c)
+            done += 1
+    fetch_add(slot + 16, done)
+
+
+@numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)
+def _task(data):
+    """A helper on XLA's pool."""
+    slot = to_int(data)
+    _drain(slot, 1 + fetch_add(slot + 24, 1))
+    fetch_add(slot, -1)  # drop this task's reference
+
+
+export_symbol("jaxllm_cpu_ffi_task", _task.address)
+
+
+@numba.njit(**_CACHED)
+def launch(frame, words, num_chunks, chunk_fn, split):
+    """Runs ``chunk_fn(words_addr, chunk)`` (a C function: a numba cfunc ``void(int64, int64)``) for every chunk,
+    shared by the calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 32 int64:
+    addresses, sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk
+    is done.
 
     Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own
     contiguous range (its memory reads stream, and claims do not contend) and then steals what is left of the
-    others'. ``run_chunk`` must not depend on which thread runs a chunk, so results are the same whatever the
-    pool does (a task may also run late, or on the caller's thread)."""
-
-    @numba.njit(nogil=True)
-    def drain(slot, worker):
-        done = 0
-        for j in range(WORKERS):
-            counter = slot + _RANGES_AT + 64 * ((worker + j) % WORKERS)
-            end = load64(counter + 8)
-            while True:
-                c = fetch_add(counter, 1)
-                if c >= end:
-                    break
-                run_chunk(slot + _WORDS_AT, c)
-                done += 1
-        fetch_add(slot + 16, done)
-
-    @numba.cfunc(types.void(types.voidptr), nopython=True)
-    def task(data):
-        slot = to_int(data)
-        drain(slot, 1 + fetch_add(slot + 24, 1))
-        fetch_add(slot, -1)  # drop this task's reference
-
-    task_address = task.address
-
-    @numba.njit(nogil=True)
-    def launch(frame, words, num_chunks):
-        helpers = min(HELPERS, num_chunks - 1)
-        slot = 0
-        if helpers > 0:
-            for i in range(NUM_SLOTS):
-                if compare_and_swap(SLOTS + 8 * SLOT_WORDS * i, 0, 1 + helpers):
-                    slot = SLOTS + 8 * SLOT_WORDS * i
-                    break
-        if slot == 0:  # serial (nothing to share, or every slot busy): the stack holds the words
-            helpers = 0
-            slot = _slot_on_stack()
-        for i in range(len(words)):
-            store64(slot + _WORDS_AT + 8 * i, words[i])
-        store64(slot + 8, num_chunks)
-        store64(slot + 16, 0)
-        store64(slot + 24, 0)
-        parts = helpers + 1 if split else 1
-        for w in range(WORKERS):
-            start, end = (w * num_chunks // parts, (w + 1) * num_chunks // parts) if w < parts else (0, 0)
-            store64(slot + _RANGES_AT + 64 * w, start)
-            store64(slot + _RANGES_AT + 64 * w + 8, end)
-        if helpers > 0:
-            api, ctx = load64(frame + 16), load64(frame + 24)
-            schedule_args = _schedule_args()  # XLA_FFI_ThreadPool_Schedule_Args
-            store64(schedule_args, 40)
-            store64(schedule_args + 8, 0)
-            store64(schedule_args + 16, ctx)
-            store64(schedule_args + 24, task_address)
-            store64(schedule_args + 32, slot)
-            for _ in range(helpers):
-                error = call_c(load64(api + API_SCHEDULE), schedule_args)
-                if error != 0:  # no thread pool here: the caller does every chunk
-                    fetch_add(slot, -1)
-                    destroy_args = _destroy_args()  # XLA_FFI_Error_Destroy_Args
-                    store64(destroy_args, 24)
-                    store64(destroy_args + 8, 0)
-                    store64(destroy_args + 16, error)
-                    call_c(load64(api + API_ERROR_DESTROY), destroy_args)
-        drain(slot, 0)
-        spins = 0
-        while load_acquire(slot + 16) < num_chunks:  # chunks still running on a helper
-            spins += 1
-            if spins > SPINS_BEFORE_YIELD:
-                call_c0(SCHED_YIELD)
-        if helpers > 0:
-            fetch_add(slot, -1)
-
-    return launch
+    others'. A chunk must not depend on which thread runs it, so results are the same whatever the pool does (a
+    task may also run late, or on the caller's thread)."""
+    n = workers()
+    helpers = min(n - 1, num_chunks - 1)
+    slot = 0
+    if helpers > 0:
+        table, stride = _slots_address(), 8 * 8 * (5 + n)
+        for i in range(NUM_SLOTS):
+            if compare_and_swap(table + stride * i, 0, 1 + helpers):
+                slot = table + stride * i
+                break
+    if slot == 0:  # serial (nothing to share, or every slot busy): the stack holds the words
+        helpers = 0
+        slot = _slot_on_stack()
+    for i in range(len(words)):
+        store64(slot + _WORDS_AT + 8 * i, words[i])
+    store64(slot + 8, num_chunks)
+    store64(slot + 16, 0)
+    store64(slot + 24, 0)
+    store64(slot + 32, chunk_fn)
+    parts = helpers + 1 if split else 1
+    for w in range(n):
+        start, end = (w * num_chunks // parts, (w + 1) * num_chunks // parts) if w < parts else (0, 0)
+        store64(slot + _RANGES_AT + 64 * w, start)
+        store64(slot + _RANGES_AT + 64 * w + 8, end)
+    if helpers > 0:
+        api, ctx = load64(frame + 16), load64(frame + 24)
+        schedule_args = _schedule_args()  # XLA_FFI_ThreadPool_Schedule_Args
+        store64(schedule_args, 40)
+        store64(schedule_args + 8, 0)
+        store64(schedule_args + 16, ctx)
+        store64(schedule_args + 24, _task_address())
+        store64(schedule_args + 32, slot)
+        for _ in range(helpers):
+            error = call_c(load64(api + API_SCHEDULE), schedule_args)
+            if error != 0:  # no thread pool here: the caller does every chunk
+                fetch_add(slot, -1)
+                destroy_args = _destroy_args()  # XLA_FFI_Error_Destroy_Args
+                store64(destroy_args, 24)
+                store64(destroy_args + 8, 0)
+                store64(destroy_args + 16, error)
+                call_c(load64(api + API_ERROR_DESTROY), destroy_args)
+    _drain(slot, 0)
+    spins = 0
+    while load_acquire(slot + 16) < num_chunks:  # chunks still running on a helper
+        spins += 1
+        if spins > SPINS_BEFORE_YIELD:
+            call_c0(_sched_yield())
+    if helpers > 0:
+        fetch_add(slot, -1)
 
 
-def ffi_handler(execute):
-    """The XLA FFI handler (``void *handler(XLA_FFI_CallFrame *)``, a numba cfunc) that runs the njit function
-    ``execute(frame)`` at the EXECUTE stage and answers XLA's other queries."""
-
-    @numba.cfunc(types.voidptr(types.voidptr), nopython=True)
-    def handler(frame_ptr):
-        frame = to_int(frame_ptr)
-        if is_execute(frame):
-            execute(frame)
-        return to_ptr(0)
-
-    return handler
-
+# The signature of a kernel's FFI handler, a module-level numba cfunc (so numba caches it) of this form:
+#     @numba.cfunc(HANDLER, cache=True)
+#     def handler(frame_ptr):
+#         frame = to_int(frame_ptr)
+#         if is_execute(frame):
+#             ...  # the kernel's work, read from the frame's buffers
+#         return to_ptr(0)
+HANDLER = types.voidptr(types.voidptr)
 
 _lock = threading.Lock()
 _handlers: dict[str, object] = {}  # keeps each compiled cfunc (and so its address) alive
 
 
-def register_once(target: str, build_handler) -> None:
-    """Registers the numba cfunc ``build_handler()`` (``void *handler(XLA_FFI_CallFrame *)``) as the XLA:CPU FFI
-    target ``target``, once per process."""
+def register_once(target: str, load_handler) -> None:
+    """Registers the numba cfunc ``load_handler()`` returns (``void *handler(XLA_FFI_CallFrame *)``, see
+    `HANDLER`) as the XLA:CPU FFI target ``target``, once per process."""
     with _lock:
         if target in _handlers:
             return
-        handler = build_handler()
+        handler = load_handler()
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
         new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)

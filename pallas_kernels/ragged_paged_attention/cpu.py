@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.kv_cache import write_kv as write_kv_reference
 from pallas_kernels.ragged_paged_attention.reference import default_block_q
@@ -24,51 +23,15 @@ TARGET = "jaxllm_cpu_ragged_paged_attention"
 MAX_BLOCK_Q = 16
 
 
-def _build_handler():
-    import numba
-    from numba import carray
-
-    from pallas_kernels.cpu_ffi import HELPERS, buffer, dim, ffi_handler, parallel_for, to_ptr
-    from pallas_kernels.ragged_paged_attention.cpu_kernel import plan, run_chunk, write_kv
-
-    launch = parallel_for(run_chunk)
-    min_items = 4 * (HELPERS + 1) if HELPERS else 0  # below: split the items by q head to share them evenly
-
-    @numba.njit
-    def execute(frame):
-        params_p, _ = buffer(frame, 0)
-        q_p, q_d = buffer(frame, 1)
-        k_new_p, _ = buffer(frame, 2)
-        v_new_p, _ = buffer(frame, 3)
-        slots_p, _ = buffer(frame, 4)
-        lens_p, lens_d = buffer(frame, 7)
-        tables_p, tables_d = buffer(frame, 8)
-        starts_p, _ = buffer(frame, 9)
-        out_p, _ = buffer(frame, 0, True)
-        k_p, k_d = buffer(frame, 1, True)  # the caches: outputs aliased to inputs 5 and 6, updated in place
-        v_p, _ = buffer(frame, 2, True)
-        t, h, d = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2)
-        kvh, pages, page_size = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2)
-        num_seqs, max_pages = dim(lens_d, 0), dim(tables_d, 1)
-        k_cache = carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32)
-        v_cache = carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32)
-        write_kv(k_cache, v_cache, carray(to_ptr(k_new_p), (t, kvh, d), dtype=np.float32),
-                 carray(to_ptr(v_new_p), (t, kvh, d), dtype=np.float32),
-                 carray(to_ptr(slots_p), (t,), dtype=np.int32))
-        block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
-        work = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
-                    carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q,
-                    min_items, carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
-        launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p,
-                       t, h, d, kvh, pages, page_size, num_seqs, max_pages), work.shape[0])
-
-    return ffi_handler(execute)
+def _load_handler():
+    from pallas_kernels.ragged_paged_attention.cpu_kernel import handler
+    return handler
 
 
 def register() -> None:
-    """Compiles the kernel (numba caches it on disk) and registers the FFI target, once per process."""
+    """Loads the kernel (compiled by numba, or from its disk cache) and registers the FFI target, once per process."""
     from pallas_kernels.cpu_ffi import register_once
-    register_once(TARGET, _build_handler)
+    register_once(TARGET, _load_handler)
 
 
 def write_and_attend(

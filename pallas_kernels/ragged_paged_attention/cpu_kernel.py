@@ -16,9 +16,26 @@ import math
 
 import numba
 import numpy as np
-from numba import carray
+from numba import carray, types
 
-from pallas_kernels.cpu_ffi import load64, prefetch, to_ptr
+from pallas_kernels.cpu_ffi import drop_stale_cache
+
+drop_stale_cache(__file__)
+
+from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    HANDLER,
+    buffer,
+    dim,
+    export_symbol,
+    is_execute,
+    launch,
+    load64,
+    prefetch,
+    symbol,
+    to_int,
+    to_ptr,
+    workers,
+)
 
 NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
 
@@ -202,3 +219,53 @@ def run_chunk(words, chunk):
     attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, params[0], np.int64(params[1]),
                  params[2], np.int64(params[3]), work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
                  work[chunk, 4])
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _chunk(words, chunk):
+    run_chunk(words, chunk)
+
+
+export_symbol("jaxllm_cpu_ragged_paged_attention_chunk", _chunk.address)
+_chunk_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk", True)
+
+
+@numba.njit(**_KW)
+def _execute(frame):
+    """The FFI call: inputs (params, q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
+    query_start_loc); outputs (out, k_cache, v_cache), the caches aliased to their inputs and updated in place."""
+    params_p, _ = buffer(frame, 0)
+    q_p, q_d = buffer(frame, 1)
+    k_new_p, _ = buffer(frame, 2)
+    v_new_p, _ = buffer(frame, 3)
+    slots_p, _ = buffer(frame, 4)
+    lens_p, lens_d = buffer(frame, 7)
+    tables_p, tables_d = buffer(frame, 8)
+    starts_p, _ = buffer(frame, 9)
+    out_p, _ = buffer(frame, 0, True)
+    k_p, k_d = buffer(frame, 1, True)
+    v_p, _ = buffer(frame, 2, True)
+    t, h, d = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2)
+    kvh, pages, page_size = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2)
+    num_seqs, max_pages = dim(lens_d, 0), dim(tables_d, 1)
+    k_cache = carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32)
+    v_cache = carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32)
+    write_kv(k_cache, v_cache, carray(to_ptr(k_new_p), (t, kvh, d), dtype=np.float32),
+             carray(to_ptr(v_new_p), (t, kvh, d), dtype=np.float32), carray(to_ptr(slots_p), (t,), dtype=np.int32))
+    block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
+    n = workers()
+    min_items = 4 * n if n > 1 else 0  # below: split the items by q head to share them evenly
+    work = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
+                carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q, min_items,
+                carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
+    launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
+                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], _chunk_address(), False)
+
+
+@numba.cfunc(HANDLER, cache=True)
+def handler(frame_ptr):
+    """The XLA:CPU FFI handler (``pallas_kernels.cpu_ffi.HANDLER``)."""
+    frame = to_int(frame_ptr)
+    if is_execute(frame):
+        _execute(frame)
+    return to_ptr(0)

@@ -19,29 +19,15 @@ TARGET = "jaxllm_cpu_skinny_matmul"
 MAX_ROWS = 8
 
 
-def _build_handler():
-    import numba
-
-    from pallas_kernels.cpu_ffi import buffer, dim, ffi_handler, parallel_for
-    from pallas_kernels.skinny_matmul.cpu_kernel import ROWS_PER_CHUNK, run_chunk
-
-    launch = parallel_for(run_chunk, split=True)
-
-    @numba.njit
-    def execute(frame):
-        x_p, x_d = buffer(frame, 0)
-        w_p, w_d = buffer(frame, 1)
-        y_p, _ = buffer(frame, 0, True)
-        t, n, o = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
-        launch(frame, (x_p, w_p, y_p, t, n, o), (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK)
-
-    return ffi_handler(execute)
+def _load_handler():
+    from pallas_kernels.skinny_matmul.cpu_kernel import handler
+    return handler
 
 
 def register() -> None:
-    """Compiles the kernel (numba caches it on disk) and registers the FFI target, once per process."""
+    """Loads the kernel (compiled by numba, or from its disk cache) and registers the FFI target, once per process."""
     from pallas_kernels.cpu_ffi import register_once
-    register_once(TARGET, _build_handler)
+    register_once(TARGET, _load_handler)
 
 
 def applies(x: jax.Array, w: jax.Array) -> bool:

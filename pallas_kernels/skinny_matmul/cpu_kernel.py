@@ -9,9 +9,24 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import carray
+from numba import carray, types
 
-from pallas_kernels.cpu_ffi import load64, to_ptr
+from pallas_kernels.cpu_ffi import drop_stale_cache
+
+drop_stale_cache(__file__)
+
+from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    HANDLER,
+    buffer,
+    dim,
+    export_symbol,
+    is_execute,
+    launch,
+    load64,
+    symbol,
+    to_int,
+    to_ptr,
+)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 
@@ -73,3 +88,31 @@ def run_chunk(words, chunk):
     y = carray(to_ptr(load64(words + 16)), (t, o), dtype=np.float32)
     r0 = chunk * ROWS_PER_CHUNK
     matmul_rows(x, w, y, r0, min(o, r0 + ROWS_PER_CHUNK))
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _chunk(words, chunk):
+    run_chunk(words, chunk)
+
+
+export_symbol("jaxllm_cpu_skinny_matmul_chunk", _chunk.address)
+_chunk_address = symbol("jaxllm_cpu_skinny_matmul_chunk", True)
+
+
+@numba.njit(**_KW)
+def _execute(frame):
+    """The FFI call: inputs (x [T, in], w [out, in]); output y [T, out]."""
+    x_p, x_d = buffer(frame, 0)
+    w_p, w_d = buffer(frame, 1)
+    y_p, _ = buffer(frame, 0, True)
+    t, n, o = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
+    launch(frame, (x_p, w_p, y_p, t, n, o), (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _chunk_address(), True)
+
+
+@numba.cfunc(HANDLER, cache=True)
+def handler(frame_ptr):
+    """The XLA:CPU FFI handler (``pallas_kernels.cpu_ffi.HANDLER``)."""
+    frame = to_int(frame_ptr)
+    if is_execute(frame):
+        _execute(frame)
+    return to_ptr(0)
