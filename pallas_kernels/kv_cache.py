@@ -13,13 +13,21 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
                       dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
+    """Zeroed K and V caches for every layer, placed by `sharding` (default: the first device)."""
     shape = (num_kv_heads, num_pages, page_size, head_dim)  # [kv_heads, num_pages, page_size, head_dim]
-    make = (lambda: jnp.zeros(shape, dtype)) if sharding is None else jax.jit(
-        lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    if all(d.platform == "cpu" for d in sharding.device_set):
+        # Host memory: copying numpy's lazily zeroed pages is ~10x faster than XLA writing the zeros (2.4 GB of
+        # SmolLM2 cache: 0.5 s against 4.8 s), and start-up waits for it.
+        def make():
+            return jax.device_put(np.zeros(shape, dtype), sharding)
+    else:
+        make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return [(make(), make()) for _ in range(num_layers)]
 
 

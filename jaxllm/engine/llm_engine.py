@@ -15,9 +15,11 @@ from jaxllm.engine import compile_monitor
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.executable_cache import ExecutableCache
 from jaxllm.engine.model_runner import ModelRunner, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
+from jaxllm.engine.startup import StartupReport
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
@@ -73,9 +75,16 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
         self.config = config = config or EngineConfig()
         enable_compilation_cache(config.compilation_cache_dir)
+        start = time.perf_counter()
+        # Executables are cached only for models this engine loaded itself: an edited model can differ in ways
+        # no cache key sees (see executable_cache).
+        executable_cache = ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir),
+                                                        "executables")) \
+            if config.compilation_cache_dir and model is None and loaded is None else None
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                 attn_impl=config.attn_impl, matmul_impl=config.matmul_impl)
+        load_s = time.perf_counter() - start
         if loaded is not None:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
         else:
@@ -91,9 +100,11 @@ class LLMEngine:
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
+        start = time.perf_counter()
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
                                   max_model_len=self.max_model_len, buckets=config.buckets(),
-                                  eos_token_ids=self.eos_token_ids, mesh=mesh)
+                                  eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache)
+        self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         # Counters for metrics.
@@ -105,13 +116,11 @@ class LLMEngine:
         if warmup:
             before = compile_monitor.snapshot()
             start = time.perf_counter()
-            self.runner.warmup()
-            self.warmup_seconds = time.perf_counter() - start
+            self.startup.buckets = self.runner.warmup()
+            self.warmup_seconds = self.startup.warmup_s = time.perf_counter() - start
             after = compile_monitor.snapshot()
-            hits = after["cache_hits"] - before["cache_hits"]
-            logger.info("warm-up: %d buckets in %.1f s (%d compiled, %d loaded from the persistent cache)",
-                        len(self.runner.buckets), self.warmup_seconds,
-                        after["compiles"] - before["compiles"] - hits, hits)
+            self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
+            logger.info("start-up: %s", self.startup.summary())
 
     def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
         c, cfg = self.config, model.config

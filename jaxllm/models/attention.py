@@ -45,7 +45,9 @@ def select_paged_attention(impl: str) -> Callable:
         from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
         return _write_then(ragged_paged_attention)
     if impl == "cpu":  # one custom call writes the cache in place and attends
-        from pallas_kernels.ragged_paged_attention.cpu import write_and_attend
+        from pallas_kernels.ragged_paged_attention.cpu import register, write_and_attend
+        if backend == "cpu":
+            register()  # now, not when first traced: a step loaded from the executable cache is never traced
         return write_and_attend
     if impl == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention

@@ -19,7 +19,8 @@ def select_matmul(impl: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"unknown matmul implementation {impl!r}; choose one of {MATMUL_IMPLS}")
     if impl == "cpu" or (impl == "auto" and jax.default_backend() == "cpu"):
-        from pallas_kernels.skinny_matmul.cpu import matmul
+        from pallas_kernels.skinny_matmul.cpu import matmul, register
+        register()  # now, not when first traced: a step loaded from the executable cache is never traced
         return matmul
     from pallas_kernels.skinny_matmul.reference import matmul
     return matmul

@@ -1,6 +1,7 @@
 """The engine with tensor parallelism, and its persistent compilation cache across processes."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -31,24 +32,43 @@ def test_tensor_parallel_2_gives_the_same_greedy_outputs(tiny_model_dir, compile
 
 START = """
 import json, sys
-from jaxllm import LLM
+from jaxllm import LLM, SamplingParams
 from jaxllm.engine import compile_monitor
 # Default attention (the CPU kernel's custom call) and the KV cache sized from RAM, as a preset does: the
 # page count, a compiled shape, must come out the same in both processes.
 llm = LLM(dtype="float32", compilation_cache_dir=sys.argv[1], max_num_seqs=2, max_num_batched_tokens=4,
           kv_memory_fraction=0.001, max_model_len=256)
-print(json.dumps({"warmup_s": llm.engine.warmup_seconds, **compile_monitor.snapshot()}))
+after_warmup = compile_monitor.snapshot()
+out = llm.generate([[1, 2, 3, 4, 5, 6, 7]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                   use_tqdm=False)
+print(json.dumps({"warmup_s": llm.engine.warmup_seconds, **after_warmup,
+                  "sources": [b.source for b in llm.engine.startup.buckets], "tokens": out[0].outputs[0].token_ids,
+                  "compiles_serving": compile_monitor.snapshot()["compiles"] - after_warmup["compiles"]}))
 """
 
 
-def test_second_start_loads_every_bucket_from_the_persistent_cache(tmp_path):
-    runs = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", START, str(tmp_path / "cache")], capture_output=True,
-                             text=True, check=True)
-        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    first, second = runs
-    print(f"\nwarm-up of 3 buckets: first start {first['warmup_s']:.1f} s, second start {second['warmup_s']:.1f} s")
-    assert first["cache_hits"] == 0
-    assert second["cache_hits"] >= 3  # the three step buckets (plus small helper computations)
-    assert second["compiles"] == second["cache_hits"]  # nothing compiled again
+def _start(cache) -> dict:
+    out = subprocess.run([sys.executable, "-c", START, str(cache)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_later_starts_load_every_bucket_from_the_caches(tmp_path):
+    """First start: every bucket traced and compiled. Second: every bucket from the executable cache, nothing traced
+    or compiled. Third, with the executable cache emptied: traced again, but every compile is a hit in JAX's
+    persistent cache. The same tokens every time, and nothing compiled while generating."""
+    cache = tmp_path / "cache"
+    first = _start(cache)
+    second = _start(cache)
+    shutil.rmtree(cache / "executables")
+    third = _start(cache)
+    print(f"\nwarm-up of 3 buckets: {first['warmup_s']:.1f} s, then {second['warmup_s']:.1f} s (executable cache), "
+          f"{third['warmup_s']:.1f} s (XLA cache)")
+    assert first["sources"] == ["compiled"] * 3 and first["cache_hits"] == 0
+    assert second["sources"] == ["executable cache"] * 3
+    assert second["traces"] == second["compiles"] == 0
+    assert third["sources"] == ["compiled"] * 3
+    assert third["cache_hits"] >= 3 and third["compiles"] == third["cache_hits"]  # nothing compiled again
+    assert first["tokens"] == second["tokens"] == third["tokens"]
+    assert len(first["tokens"]) == 6
+    assert first["compiles_serving"] == second["compiles_serving"] == third["compiles_serving"] == 0
