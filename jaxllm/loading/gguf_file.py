@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from jaxllm.loading.dequantize import dequantize
 from jaxllm.loading.errors import LoadError
 
 # The quantization types jaxllm dequantizes at load time.
@@ -46,6 +47,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise LoadError(f"{self.path}: no such GGUF file")
         self._data = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._view = memoryview(self._data)  # header reads: slicing the memmap itself makes an array per string
         self._pos = 0
         try:
             self._parse()
@@ -57,7 +59,7 @@ class GGUFFile:
         size = struct.calcsize(fmt)
         if self._pos + size > len(self._data):
             raise ValueError("unexpected end of file")
-        (value,) = struct.unpack_from(fmt, self._data, self._pos)
+        (value,) = struct.unpack_from(fmt, self._view, self._pos)
         self._pos += size
         return value
 
@@ -65,7 +67,7 @@ class GGUFFile:
         n = self._read("<Q")
         if self._pos + n > len(self._data):
             raise ValueError("unexpected end of file")
-        s = bytes(self._data[self._pos:self._pos + n]).decode("utf-8")
+        s = str(self._view[self._pos:self._pos + n], "utf-8")
         self._pos += n
         return s
 
@@ -114,8 +116,6 @@ class GGUFFile:
 
     def load(self, name: str) -> np.ndarray:
         """The tensor, dequantized to float32 (or kept as float16/bfloat16), in numpy shape order."""
-        from gguf.quants import dequantize
-
         info = self.tensors[name]
         if info.qtype not in SUPPORTED_TYPES:
             raise LoadError(f"{self.path}: tensor {name!r} uses quantization type {info.qtype.name}, which is not "
@@ -127,6 +127,4 @@ class GGUFFile:
             return raw.view(np.float32).reshape(info.shape)
         if info.qtype == GGMLQuantizationType.F16:
             return raw.view(np.float16).reshape(info.shape)
-        block, type_size = GGML_QUANT_SIZES[info.qtype]
-        rows = raw.reshape(*info.shape[:-1], info.shape[-1] // block * type_size)
-        return dequantize(rows, info.qtype).reshape(info.shape)
+        return dequantize(np.asarray(raw), info.qtype, info.shape)

@@ -46,18 +46,18 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def hf_tensors(folder: Path) -> Iterator[tuple[str, object, str]]:
-    """Yields (name, load() -> numpy array, file) for every tensor, reading one at a time."""
+    """Yields (name, load() -> numpy array, file) for every tensor. Each file stays open while a load() of it
+    exists (loads may run after the generator moved on: see `weights._prefetched`)."""
     for file in safetensors_files(folder):
         try:
-            with safe_open(str(file), framework="numpy") as f:
-                for name in f.keys():
-                    def load(f=f, name=name, file=file):
-                        try:
-                            return f.get_tensor(name)
-                        except Exception as e:  # safetensors raises its own error types
-                            raise LoadError(f"{file}: cannot read tensor {name!r} ({e})") from None
-                    yield name, load, str(file)
-        except LoadError:
-            raise
+            f = safe_open(str(file), framework="numpy")
+            names = list(f.keys())
         except Exception as e:
             raise LoadError(f"{file}: not a valid safetensors file ({e})") from None
+        for name in names:
+            def load(f=f, name=name, file=file):
+                try:
+                    return f.get_tensor(name)
+                except Exception as e:  # safetensors raises its own error types
+                    raise LoadError(f"{file}: cannot read tensor {name!r} ({e})") from None
+            yield name, load, str(file)
