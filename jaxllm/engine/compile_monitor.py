@@ -14,6 +14,7 @@ CACHE_HIT = "/jax/compilation_cache/cache_hits"
 
 _counts: collections.Counter[str] = collections.Counter()
 _lock = threading.Lock()
+_local = threading.local()  # per thread: persistent-cache hits (events arrive on the compiling thread)
 _installed = False
 
 
@@ -25,8 +26,14 @@ def _on_duration(event: str, duration: float, **_kwargs) -> None:
 
 def _on_event(event: str, **_kwargs) -> None:
     if event == CACHE_HIT:
+        _local.hits = getattr(_local, "hits", 0) + 1
         with _lock:
             _counts[event] += 1
+
+
+def thread_cache_hits() -> int:
+    """Persistent-cache hits of compiles run on the calling thread (after install())."""
+    return getattr(_local, "hits", 0)
 
 
 def install() -> None:
