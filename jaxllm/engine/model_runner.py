@@ -19,7 +19,6 @@ import threading
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -102,9 +101,12 @@ class ModelRunner:
         self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
                                         model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
         # Device-resident "nothing to do" inputs, reused so steps without penalties or biases transfer nothing.
-        self._no_history = {s: jnp.full((s, max_model_len), -1, jnp.int32) for _, s in self.buckets}
+        # (Built in numpy and put: jnp.full would compile a computation per shape at every start.)
+        put = jax.device_put
+        self._no_history = {s: put(np.full((s, max_model_len), -1, np.int32)) for _, s in self.buckets}
         w = self.bias_width
-        self._no_bias = {s: (jnp.full((s, w), -1, jnp.int32), jnp.zeros((s, w), jnp.float32)) for _, s in self.buckets}
+        self._no_bias = {s: (put(np.full((s, w), -1, np.int32)), put(np.zeros((s, w), np.float32)))
+                         for _, s in self.buckets}
         # What a build lowers against: shapes, dtypes and shardings only (the caches are donated by every run, so
         # a build on another thread must not touch the arrays themselves).
         self._abstract_params = [_abstract(p) for p in self.params]
