@@ -90,6 +90,8 @@ class ModelRunner:
         self._build_lock = threading.Lock()  # builds run on a pool; the dict has one writer at a time
         self.builds: dict[tuple[int, int], BucketBuild] = {}
         self._unsaved: dict[tuple[int, int], str] = {}  # bucket -> executable cache key, saved after its first run
+        self._pending: dict[tuple[int, int], concurrent.futures.Future] = {}  # builds in progress
+        self.build_wait_s = 0.0  # time execute() waited for builds (the engine thread's compile time)
         self.vocab_size = cfg.vocab_size
         self.page_size = page_size
         self.max_model_len = max_model_len
@@ -119,9 +121,37 @@ class ModelRunner:
         raise ValueError(f"no bucket holds {num_tokens} tokens / {num_seqs} sequences")
 
     def build(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
-        """The executable of `bucket`: built before, loaded from the executable cache, or traced and compiled."""
-        if (done := self._executables.get(bucket)) is not None:
-            return done
+        """The executable of `bucket`: built before, loaded from the executable cache, or traced and compiled.
+        Thread-safe; a caller asking for a bucket another thread is building waits for that build."""
+        with self._build_lock:
+            if (done := self._executables.get(bucket)) is not None:
+                return done
+            pending = self._pending.get(bucket)
+            if pending is None:
+                pending = self._pending[bucket] = concurrent.futures.Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()
+        try:
+            compiled = self._build(bucket)
+            pending.set_result(compiled)
+            return compiled
+        except BaseException as e:
+            pending.set_exception(e)
+            raise
+        finally:
+            with self._build_lock:
+                self._pending.pop(bucket, None)
+
+    def prebuild(self, buckets: list[tuple[int, int]]) -> None:
+        """Starts building `buckets` on background threads (a one-shot run knows which shapes it will need: its
+        decode bucket then compiles while its prompt runs)."""
+        for bucket in dict.fromkeys(buckets):
+            threading.Thread(target=self.build, args=(bucket,), name=f"jaxllm-build-{bucket}", daemon=True).start()
+
+    def _build(self, bucket: tuple[int, int]) -> jax.stages.Compiled:
         args = (self._abstract_params, self._abstract_caches, *self._inputs(ScheduledStep([], []), bucket)[0])
         key = step_key(self._graphdef, args) if self.executable_cache is not None else None
         start = time.perf_counter()
@@ -215,7 +245,11 @@ class ModelRunner:
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
         bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))
         inputs, rows = self._inputs(step, bucket)
-        run = self._executables.get(bucket) or self.build(bucket)
+        run = self._executables.get(bucket)
+        if run is None:
+            start = time.perf_counter()
+            run = self.build(bucket)
+            self.build_wait_s += time.perf_counter() - start
         self.caches, out = run(self.params, self.caches, *inputs)
         tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
         if self._unsaved:
