@@ -1,5 +1,6 @@
 """`python -m jaxllm.generate` end to end on the embedded model."""
 
+import re
 import subprocess
 import sys
 
@@ -25,6 +26,21 @@ def test_streams_an_answer_and_reports_counts(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "generated tokens:" in r.stderr and "tok/s" in r.stderr
+    report = re.search(r"load ([\d.]+) s \(KV cache ([\d.]+) s\), compile ([\d.]+) s \((\d+) buckets\), time to first "
+                       r"token ([\d.]+) s, decode ([\d.]+) tok/s", r.stderr)
+    assert report, r.stderr
+    assert float(report[3]) > 0 and report[4] == "2"  # a fresh cache: the prompt's and the decode step's shapes
+
+
+def test_second_run_loads_its_steps_from_the_executable_cache(tmp_path):
+    args = ("What is the capital of France?", "--max-tokens", "8", "--max-num-seqs", "2", "--max-num-batched-tokens",
+            "64", "--max-model-len", "256")
+    first, second = run(*args, cache=tmp_path), run(*args, cache=tmp_path)
+    assert first.returncode == second.returncode == 0, first.stderr + second.stderr
+    assert first.stdout == second.stdout and "Paris" in second.stdout
+    assert len(list((tmp_path / "executables").iterdir())) == 2
+    compile_s = [float(re.search(r"compile ([\d.]+) s", r.stderr)[1]) for r in (first, second)]
+    assert compile_s[1] < compile_s[0] / 2, compile_s  # loaded, not traced and compiled
 
 
 def test_prompts_from_stdin_and_bad_options(tmp_path):

@@ -77,6 +77,10 @@ class ExecutableCache:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory).expanduser()
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        st = self.directory.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise PermissionError(f"{self.directory} is writable by other users or not owned by this one: its "
+                                  f"entries could run their code here")
 
     def _path(self, key: str) -> Path:
         return self.directory / f"{key}.jaxllm-step"

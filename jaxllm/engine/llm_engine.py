@@ -78,9 +78,13 @@ class LLMEngine:
         start = time.perf_counter()
         # Executables are cached only for models this engine loaded itself: an edited model can differ in ways
         # no cache key sees (see executable_cache).
-        executable_cache = ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir),
-                                                        "executables")) \
-            if config.compilation_cache_dir and model is None and loaded is None else None
+        executable_cache = None
+        if config.compilation_cache_dir and model is None and loaded is None:
+            try:
+                executable_cache = ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir),
+                                                                "executables"))
+            except OSError as e:
+                logger.warning("executable cache off: %s", e)
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                 attn_impl=config.attn_impl, matmul_impl=config.matmul_impl)

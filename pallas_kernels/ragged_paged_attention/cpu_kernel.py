@@ -169,7 +169,21 @@ def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, out):
                     work[i, 3], work[i, 4] = part * group // split, (part + 1) * group // split
                     cost[i] = c
                     i += 1
-    return work[np.argsort(-cost)]
+    return work[_order_by_cost(cost)]
+
+
+@numba.njit(**_KW)
+def _order_by_cost(cost):
+    """Indices of `cost` from the largest down, ties in order (insertion sort: a step has at most a few hundred
+    items, and numba compiles np.argsort's quicksort for seconds at every cold start)."""
+    order = np.arange(cost.shape[0])
+    for i in range(1, cost.shape[0]):
+        j, item = i, order[i]
+        while j > 0 and cost[order[j - 1]] < cost[item]:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = item
+    return order
 
 
 @numba.njit(**_KW)
