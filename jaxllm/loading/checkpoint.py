@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import jax
-import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -22,7 +21,9 @@ from jaxllm.tokenizer.tokenizer import Tokenizer
 CONFIG_FILE = "jaxllm_config.json"
 
 
-def _checkpointer() -> ocp.Checkpointer:
+def _checkpointer():
+    import orbax.checkpoint as ocp  # here, not at import: it takes ~0.2 s of every start that never uses it
+
     # Uncompressed: restoring is then a plain read, which is what makes it faster than re-converting a GGUF.
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
@@ -35,6 +36,8 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
     """Saves the parameters, the config and (if given) the tokenizer in Hugging Face's file layout."""
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
+    import orbax.checkpoint as ocp
+
     with _checkpointer() as ckpt:
         ckpt.save(path / "params", args=ocp.args.PyTreeSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
                   force=True)
@@ -66,6 +69,8 @@ def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),
         state, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    import orbax.checkpoint as ocp
+
     with _checkpointer() as ckpt:
         try:
             restored = ckpt.restore(path / "params", args=ocp.args.PyTreeRestore(
