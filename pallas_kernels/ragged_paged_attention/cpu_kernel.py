@@ -137,6 +137,15 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
             out[tok, head, x] = acc[r, x] * inv
 
 
+@numba.njit(inline="always", **_KW)
+def _zero_rows(out, start, end):
+    """out[start:end] = 0, as element loops (a slice assignment costs seconds of numba compile)."""
+    flat = out.reshape(out.shape[0], -1)
+    for r in range(start, end):
+        for x in range(flat.shape[1]):
+            flat[r, x] = 0.0
+
+
 @numba.njit(**_KW)
 def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, out):
     """The step's work items, (sequence, KV head, first query token of the block, first and end q head of the
@@ -151,8 +160,8 @@ def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, out):
         if q_len > 0 and kv_lens[s] > 0:
             n += (q_len + block_q - 1) // block_q * kvh
         elif q_len > 0:
-            out[query_start_loc[s]:query_start_loc[s + 1]] = 0.0
-    out[max(0, query_start_loc[num_seqs]):] = 0.0
+            _zero_rows(out, query_start_loc[s], query_start_loc[s + 1])
+    _zero_rows(out, max(0, query_start_loc[num_seqs]), out.shape[0])
     split = group if n < min_items else 1
     work = np.empty((n * split, 5), np.int64)
     cost = np.empty(n * split, np.int64)
@@ -189,15 +198,16 @@ def _order_by_cost(cost):
 @numba.njit(**_KW)
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """k, v [T, KVH, D] into the caches [KVH, P, page, D] at flat slots (negative: a padding token)."""
-    page_size = k_cache.shape[2]
+    page_size, d = k_cache.shape[2], k_cache.shape[3]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
         if slot < 0:
             continue
         page, offset = slot // page_size, slot % page_size
         for h in range(k_cache.shape[0]):
-            k_cache[h, page, offset] = k[t, h]
-            v_cache[h, page, offset] = v[t, h]
+            for x in range(d):  # element loops: numba compiles a slice assignment's broadcasting for seconds
+                k_cache[h, page, offset, x] = k[t, h, x]
+                v_cache[h, page, offset, x] = v[t, h, x]
 
 
 @numba.njit(**_KW)
