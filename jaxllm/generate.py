@@ -72,8 +72,8 @@ def _engine_config(args: argparse.Namespace, num_sequences: int) -> EngineConfig
     config = EngineConfig.from_preset(args.preset, **overrides)
     if config.num_pages is None and config.max_model_len is not None:
         # A one-shot run needs pages for its own sequences only, not a server's share of RAM (allocating and
-        # freeing 2.4 GB took ~1 s of a 5 s run). A power of two: the count is a compiled shape, so runs with
-        # similar numbers of prompts share their compiled steps.
+        # freeing gigabytes was a visible part of a short run). A power of two: the count is a compiled shape,
+        # so runs with similar numbers of prompts share their compiled steps.
         pages = min(num_sequences, config.max_num_seqs) * -(-config.max_model_len // config.page_size)
         config = dataclasses.replace(config, num_pages=1 << (pages - 1).bit_length())
     return config
@@ -161,4 +161,5 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skips tearing down JAX's runtime and buffers at exit (~0.5 s); nothing is left to write
+    # Skips tearing down JAX's runtime and buffers at exit (slow with a large KV cache); nothing is left to write.
+    os._exit(code)

@@ -224,7 +224,6 @@ def is_execute(frame):
 MAX_WORKERS = 64
 _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 WORKERS = min(MAX_WORKERS, max(1, _cores))
-HELPERS = WORKERS - 1
 _WORDS_AT, _RANGES_AT = 64, 320  # byte offsets: the kernel's words (so at most 32 of them), the first range
 NUM_SLOTS, SLOT_WORDS, MAX_SLOT_WORDS = 256, 8 * (5 + WORKERS), 8 * (5 + MAX_WORKERS)
 _slots = np.zeros((NUM_SLOTS, SLOT_WORDS), np.int64)
@@ -289,9 +288,9 @@ export_symbol("jaxllm_cpu_ffi_task", _task.address)
 @numba.njit(**_CACHED)
 def launch(frame, words, num_chunks, chunk_fn, split):
     """Runs ``chunk_fn(words_addr, chunk)`` (a C function: a numba cfunc ``void(int64, int64)``) for every chunk,
-    shared by the calling thread and up to HELPERS tasks on XLA's pool; ``words`` (a tuple of at most 32 int64:
-    addresses, sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every chunk
-    is done.
+    shared by the calling thread and up to ``workers() - 1`` tasks on XLA's pool; ``words`` (a tuple of at most 32
+    int64: addresses, sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every
+    chunk is done.
 
     Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own
     contiguous range (its memory reads stream, and claims do not contend) and then steals what is left of the

@@ -22,8 +22,8 @@ def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_s
     shape = (num_kv_heads, num_pages, page_size, head_dim)  # [kv_heads, num_pages, page_size, head_dim]
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if all(d.platform == "cpu" for d in sharding.device_set):
-        # Host memory: copying numpy's lazily zeroed pages is ~10x faster than XLA writing the zeros (2.4 GB of
-        # SmolLM2 cache: 0.5 s against 4.8 s), and start-up waits for it.
+        # Host memory: copying numpy's lazily zeroed pages (never written) is far faster than XLA writing the
+        # zeros, and start-up waits for it (figures: ../shared/NOTES.md, "Start-up facts").
         def make():
             return jax.device_put(np.zeros(shape, dtype), sharding)
     else:

@@ -2,8 +2,8 @@
 
 JAX's persistent compilation cache already skips XLA's compile, but it is keyed by the lowered module: every
 start still traces the model and lowers it for each bucket before it can look anything up (on a 2-core CPU
-that was ~0.5 s of a bucket's ~1.2 s). This cache is keyed by everything the trace depends on instead, so a
-hit needs no trace at all:
+that was a large part of a warm start; README has the figures). This cache is keyed by everything the trace
+depends on instead, so a hit needs no trace at all:
 
 - the code: the source of every module of the `jaxllm` and `pallas_kernels` packages, and the versions of
   jax, jaxlib and flax;

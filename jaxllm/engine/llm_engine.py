@@ -116,15 +116,18 @@ class LLMEngine:
         self.generation_tokens_total = 0
         self.num_failed_requests = 0
         compile_monitor.install()
-        self.warmup_seconds = 0.0
         if warmup:
             before = compile_monitor.snapshot()
             start = time.perf_counter()
             self.startup.buckets = self.runner.warmup()
-            self.warmup_seconds = self.startup.warmup_s = time.perf_counter() - start
+            self.startup.warmup_s = time.perf_counter() - start
             after = compile_monitor.snapshot()
             self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
             logger.info("start-up: %s", self.startup.summary())
+
+    @property
+    def warmup_seconds(self) -> float:
+        return self.startup.warmup_s
 
     def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
         c, cfg = self.config, model.config

@@ -171,14 +171,14 @@ class ModelRunner:
                 # Re-serializing an executable JAX loaded from its own cache gives one that fails when run in a
                 # later process ("Function ... not found"): only fresh compiles are kept.
                 key = None
-        with self._build_lock:
+        with self._build_lock:  # build() lets one thread build a bucket: plain assignments
             if key is not None and report.source == "compiled":
                 # Saved after its first run: XLA:CPU finishes some kernels only then, and an executable
                 # serialized before lacks them (a later process fails with "Function ... not found").
                 self._unsaved[bucket] = key
-            self._executables.setdefault(bucket, compiled)
-            self.builds.setdefault(bucket, report)
-            return self._executables[bucket]
+            self._executables[bucket] = compiled
+            self.builds[bucket] = report
+        return compiled
 
     def warmup(self, max_workers: int | None = None) -> list[BucketBuild]:
         """Builds every bucket (on up to `max_workers` threads) and runs each once, on this thread, as its build

@@ -11,7 +11,9 @@ from jaxllm.engine.model_runner import BucketBuild
 @dataclasses.dataclass
 class StartupReport:
     load_s: float = 0.0  # weights and tokenizer (0 when the caller passed a loaded model)
-    kv_cache_s: float = 0.0  # allocating the KV cache and the step's constant inputs
+    # Allocating the KV cache and the step's constant inputs. On CPU the cache's copy from zeroed host pages runs
+    # asynchronously: it mostly lands in the first warm-up run, overlapping the builds.
+    kv_cache_s: float = 0.0
     warmup_s: float = 0.0  # building every bucket and running each once (wall time: builds run concurrently)
     buckets: list[BucketBuild] = dataclasses.field(default_factory=list)
     xla_cache_hits: int = 0  # compiles served by JAX's persistent compilation cache

@@ -22,9 +22,10 @@ CONFIG_FILE = "jaxllm_config.json"
 
 
 def _checkpointer():
-    import orbax.checkpoint as ocp  # here, not at import: it takes ~0.2 s of every start that never uses it
+    # Imported here, not with this module: importing orbax is a visible part of every start that never uses it.
+    import orbax.checkpoint as ocp
 
-    # Uncompressed: restoring is then a plain read, which is what makes it faster than re-converting a GGUF.
+    # Uncompressed: restoring is then a plain read.
     return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_compression=False))
 
 

@@ -1,7 +1,7 @@
 """GGUF block quantizations to float32, vectorized over whole tensors.
 
 `gguf.quants.dequantize` is the reference (and handles every type); it splits tensors into row groups and makes
-several full-size temporaries, which took ~1 s of SmolLM2's start-up. The common types here are decoded in
+several full-size temporaries (README: `benchmarks/load.py`). The common types here are decoded in
 chunks of blocks that stay in the CPU caches. Other types go to `gguf.quants.dequantize`.
 """
 

@@ -62,8 +62,8 @@ PREFETCH = 4  # tensors converted ahead of the one being placed
 def _prefetched(tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]]
                 ) -> Iterator[tuple[str, concurrent.futures.Future, str]]:
     """The tensors with their conversion (dequantizing, reading; numpy releases the GIL) started a few ahead on
-    two threads, so it overlaps placing the previous ones: SmolLM2's GGUF loads in about half the time. The host
-    holds at most PREFETCH + 1 converted tensors."""
+    two threads, so it overlaps placing the previous ones. The host holds at most PREFETCH + 1 converted
+    tensors."""
     with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jaxllm-load") as pool:
         ahead: collections.deque = collections.deque()
         for name, load, source in tensors:
