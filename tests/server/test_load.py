@@ -1,14 +1,18 @@
 """Concurrency, client disconnects and graceful shutdown against real gunicorn processes."""
 
 import json
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import requests
 
 from tests.server.conftest import API_KEY, Server, parse_metrics
 
+REPO = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 TOPICS = ["the sea", "a city", "a forest", "the moon", "a robot", "music", "rain", "a library"]
 
@@ -32,28 +36,15 @@ def stream_chat(url, i, max_tokens=24, headers=AUTH):
 
 
 def test_64_concurrent_streams_interleave_and_health_stays_fast(server):
-    health_latencies, failures, stop = [], [], threading.Event()
-
-    def poll_health():  # failures are collected here and asserted in the test's own thread
-        while not stop.is_set():
-            t = time.monotonic()
-            try:
-                status = requests.get(server.url + "/health", timeout=5).status_code
-            except requests.RequestException as e:
-                status = repr(e)
-            if status != 200:
-                failures.append(status)
-            health_latencies.append(time.monotonic() - t)
-            time.sleep(0.05)
-
-    poller = threading.Thread(target=poll_health)
-    poller.start()
+    poller = subprocess.Popen([sys.executable, "-m", "tests.server.health_poller", server.url],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    assert poller.stdout.readline().strip() == "ready"
     try:
         with ThreadPoolExecutor(64) as pool:
             results = list(pool.map(lambda i: stream_chat(server.url, i), range(64)))
     finally:
-        stop.set()
-        poller.join()
+        polled = json.loads(poller.communicate(timeout=60)[0])  # closing its stdin stops it
+    health_latencies, failures = polled["latencies"], polled["failures"]
     assert not failures, failures
     assert all(finish == "length" for _, finish in results)
     all_events = sorted((t, i) for i, (events, _) in enumerate(results) for t, _ in events)
