@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -21,6 +22,13 @@ class AttentionMetadata:
     block_tables: jax.Array  # [S, max_pages_per_seq] int32: page ids of each sequence
     kv_lens: jax.Array  # [S] int32: context length including this step's tokens; 0 = padding sequence
     query_start_loc: jax.Array  # [S + 1] int32: sequence s owns tokens [qsl[s], qsl[s + 1])
+
+    def offset_pages(self, first_page: int | jax.Array, page_size: int) -> AttentionMetadata:
+        """The same step on pages first_page, first_page + 1, ...: one layer's range in a cache that holds every
+        layer's pages (padding slots stay negative)."""
+        return AttentionMetadata(
+            slot_mapping=jnp.where(self.slot_mapping < 0, self.slot_mapping, self.slot_mapping + first_page * page_size),
+            block_tables=self.block_tables + first_page, kv_lens=self.kv_lens, query_start_loc=self.query_start_loc)
 
     @classmethod
     def build(

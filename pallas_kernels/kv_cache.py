@@ -1,6 +1,7 @@
 """The paged KV cache and the scatter of new tokens into it.
 
-Layout, per layer, for K and for V: ``[kv_heads, num_pages, page_size, head_dim]``.
+Layout, for K and for V: ``[kv_heads, num_pages, page_size, head_dim]``; a model's cache keeps every layer's pages
+in one such array (``num_layers * pages_per_layer`` pages: the model offsets each layer's page ids).
 - TPU: the last two dims are the (sublane, lane) tile, so one page of one head is a dense, tiled block a
   kernel can DMA into VMEM whole; head_dim (64/128) fills the 128 lanes.
 - GPU: a page of one head is ``page_size * head_dim`` contiguous elements, so a program reading it issues
@@ -17,9 +18,10 @@ import numpy as np
 
 
 def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
-                      dtype, sharding=None) -> list[tuple[jax.Array, jax.Array]]:
-    """Zeroed K and V caches for every layer, placed by `sharding` (default: the first device)."""
-    shape = (num_kv_heads, num_pages, page_size, head_dim)  # [kv_heads, num_pages, page_size, head_dim]
+                      dtype, sharding=None) -> tuple[jax.Array, jax.Array]:
+    """Zeroed K and V caches of `num_pages` pages for each of `num_layers` layers, placed by `sharding` (default:
+    the first device)."""
+    shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)  # [kv_heads, pages, page_size, head_dim]
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
     if all(d.platform == "cpu" for d in sharding.device_set):
         # Host memory: copying numpy's lazily zeroed pages (never written) is far faster than XLA writing the
@@ -28,7 +30,7 @@ def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_s
             return jax.device_put(np.zeros(shape, dtype), sharding)
     else:
         make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return [(make(), make()) for _ in range(num_layers)]
+    return make(), make()
 
 
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,

@@ -39,9 +39,12 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
     path.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp
 
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    if model.stacked:  # checkpoints keep one entry per layer, whichever way the model holds them
+        stacked = params["layers"]["layer"]
+        params["layers"] = {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(model.config.num_layers)}
     with _checkpointer() as ckpt:
-        ckpt.save(path / "params", args=ocp.args.PyTreeSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
-                  force=True)
+        ckpt.save(path / "params", args=ocp.args.PyTreeSave(params), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
     if tokenizer is not None:
         tokenizer.backend.save(str(path / "tokenizer.json"))

@@ -4,8 +4,11 @@ The model is a pure function of its parameters and explicit inputs. Two ways to 
 
 - ``model(input_ids [B, S], positions=None, attention_mask=None) -> logits [B, S, V]``: no cache, plain
   causal attention; what a notebook uses after editing a module.
-- ``model.forward_paged(input_ids [T], positions [T], kv_caches, metadata) -> (hidden [T, E], kv_caches)``
+- ``model.forward_paged(input_ids [T], positions [T], kv_cache, metadata) -> (hidden [T, E], kv_cache)``
   followed by ``model.logits(hidden[rows])``: the engine path through the paged KV cache.
+
+The layers are an `nnx.List` (what a constructor builds and a notebook edits; the forward unrolls them) or,
+after `stack_layers()`, one `StackedLayers` module run with a scan (what the loaders return).
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from jaxllm.config import ModelConfig
 from jaxllm.models.attention import Attention, select_paged_attention
 from jaxllm.models.layers import Embed, Linear, RMSNorm, select_matmul
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
+from jaxllm.models.stacked_layers import StackedLayers
 
-KVCache = list[tuple[jax.Array, jax.Array]]  # per layer: [kv_heads, num_pages, page_size, head_dim] x 2
+# K and V, each [kv_heads, num_layers * pages_per_layer, page_size, head_dim]: every layer's pages in one array
+# (layer l's page p is page l * pages_per_layer + p), so a scan over layers carries two arrays, not 2 x layers.
+KVCache = tuple[jax.Array, jax.Array]
 
 
 class MLP(nnx.Module):
@@ -65,6 +71,32 @@ class LlamaForCausalLM(nnx.Module):
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
         self.set_matmul_impl(matmul_impl)
 
+    @property
+    def stacked(self) -> bool:
+        return isinstance(self.layers, StackedLayers)
+
+    def stack_layers(self) -> bool:
+        """Stores the layers as one scanned `StackedLayers` module if they share one structure (their per-layer
+        arrays are deleted as they are copied: hold no references to them). Returns whether they are stacked."""
+        if not self.stacked:
+            stacked = StackedLayers.from_layers(list(self.layers))
+            if stacked is not None:
+                self.layers = stacked
+        return self.stacked
+
+    def unstack_layers(self) -> None:
+        """Back to an `nnx.List` of separate layers, e.g. to edit one of them."""
+        if self.stacked:
+            self.layers = nnx.List(self.layers.unstack())
+
+    def _run_layers(self, fn, x: jax.Array, carry):
+        """fn(layer, x, carry, index) -> (x, carry) over the layers: scanned when stacked, unrolled otherwise."""
+        if self.stacked:
+            return self.layers.scan(fn, x, carry)
+        for index, layer in enumerate(self.layers):
+            x, carry = fn(layer, x, carry, index)
+        return x, carry
+
     def set_matmul_impl(self, impl: str) -> None:
         """Points every linear layer (and the tied LM head) at the matmul kernel `impl`."""
         select_matmul(impl)  # fail early on a bad name
@@ -92,18 +124,26 @@ class LlamaForCausalLM(nnx.Module):
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         cos, sin = self._rope(positions)
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x, _ = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=positions), None))
+
+        def run(layer, x, carry, index):
+            return layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=positions), None))
+
+        x, _ = self._run_layers(run, x, None)
         return self.logits(self.norm(x))
 
-    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_caches: KVCache,
+    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                       metadata: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """input_ids, positions [T] -> final hidden states [T, E] and the updated caches."""
+        """input_ids, positions [T] -> final hidden states [T, E] and the updated cache. `metadata` names pages
+        0..pages_per_layer-1; each layer reads and writes its own range of the cache."""
         attn_fn = select_paged_attention(self.attn_impl)
         cos, sin = self._rope(positions)
         x = self.embed_tokens(input_ids)
-        new_caches = []
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, kv = layer(x, lambda attn, h, kv=kv: attn.paged(h, cos, sin, kv, metadata, attn_fn))
-            new_caches.append(kv)
-        return self.norm(x), new_caches
+        _, total_pages, page_size, _ = kv_cache[0].shape
+        pages_per_layer = total_pages // self.config.num_layers
+
+        def run(layer, x, kv, index):
+            meta = metadata.offset_pages(index * pages_per_layer, page_size)
+            return layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn))
+
+        x, kv_cache = self._run_layers(run, x, kv_cache)
+        return self.norm(x), kv_cache

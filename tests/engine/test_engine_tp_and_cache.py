@@ -24,8 +24,13 @@ def test_tensor_parallel_2_gives_the_same_greedy_outputs(tiny_model_dir, compile
         llm = LLM(str(folder), dtype="float32", attn_impl="reference", tensor_parallel_size=tp,
                   compilation_cache_dir=compile_cache_dir, **TINY)
         outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        cache = llm.engine.runner.caches[0][0]
+        cache = llm.engine.runner.caches[0]  # K of every layer
         assert len(cache.sharding.device_set) == tp
+        model = llm.engine.model
+        assert model.stacked  # the scanned layers' weights: layer axis replicated, rows split by tp
+        gate_up = model.layers.layer.mlp.gate_up_proj.weight[...]
+        assert gate_up.shape[0] == model.config.num_layers
+        assert tuple(gate_up.sharding.spec)[:2] == (None, "tp") and len(gate_up.sharding.device_set) == tp
     assert outs[1] == outs[2]
     assert all(len(o) == 12 for o in outs[1])
 

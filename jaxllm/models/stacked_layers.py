@@ -1,0 +1,107 @@
+"""Decoder layers that share one structure, kept as one layer module whose parameters carry a leading
+``[num_layers]`` axis and run with `jax.lax.scan`.
+
+Tracing, lowering and compiling a step then handle one layer instead of every layer (the cost of a bucket's
+build stops growing with depth), and a step passes one stacked array per kind of weight instead of one per
+layer. A model whose layers differ (a notebook replaced one) keeps its `nnx.List` and runs unrolled.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+LAYERS_AXIS = "layers"  # logical name of the leading axis: never sharded (no sharding rule names it)
+
+
+@functools.cache
+def _stacker(sharding: jax.sharding.Sharding | None) -> Callable:
+    return jax.jit(lambda *xs: jnp.stack(xs), out_shardings=sharding)
+
+
+def _stacked_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    if isinstance(sharding, NamedSharding):  # the new leading axis is replicated; the others keep their split
+        return NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+    return sharding
+
+
+def _stack(values: list) -> jax.Array | jax.ShapeDtypeStruct:
+    """One array [len(values), ...] from equal-shaped ones (abstract in, abstract out). The inputs are deleted
+    as soon as the stacked copy exists, so stacking a model costs one parameter's worth of extra memory."""
+    first = values[0]
+    sharding = _stacked_sharding(getattr(first, "sharding", None))
+    if isinstance(first, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((len(values), *first.shape), first.dtype, sharding=sharding)
+    stacked = _stacker(sharding)(*values)
+    for v in values:
+        if not v.is_deleted():
+            v.delete()
+    return stacked
+
+
+def _unstacked(value, i: int):
+    if isinstance(value, jax.ShapeDtypeStruct):
+        sharding = value.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)
+    return value[i]
+
+
+class StackedLayers(nnx.Module):
+    def __init__(self, layer: nnx.Module, num_layers: int):
+        """layer: a layer module whose every parameter is stacked [num_layers, ...]."""
+        self.layer = layer
+        self.num_layers = num_layers
+
+    @classmethod
+    def from_layers(cls, layers: list[nnx.Module]) -> StackedLayers | None:
+        """Stacks `layers` (their parameters are deleted as they are copied), or None when their structures
+        differ (a module replaced, a parameter of another shape or dtype)."""
+        splits = [nnx.split(layer) for layer in layers]
+        graphdef = splits[0][0]
+        flats = [nnx.to_flat_state(state) for _, state in splits]
+        shapes = [[(p, v.get_value().shape, v.get_value().dtype) for p, v in flat] for flat in flats]
+        if any(g != graphdef for g, _ in splits) or any(s != shapes[0] for s in shapes):
+            return None
+        stacked = []
+        for i, (path, var) in enumerate(flats[0]):
+            value = _stack([flat[i][1].get_value() for flat in flats])
+            axes = var.get_metadata().get("axes")
+            stacked.append((path, var.replace(value, **({"axes": (LAYERS_AXIS, *axes)} if axes else {}))))
+        return cls(nnx.merge(graphdef, nnx.from_flat_state(stacked)), len(layers))
+
+    def unstack(self) -> list[nnx.Module]:
+        """The layers as separate modules (copies of their slices; this module is left as it is)."""
+        graphdef, state = nnx.split(self.layer)
+        flat = nnx.to_flat_state(state)
+        layers = []
+        for i in range(self.num_layers):
+            items = []
+            for path, var in flat:
+                axes = var.get_metadata().get("axes")
+                extra = {"axes": tuple(axes[1:])} if axes else {}
+                items.append((path, var.replace(_unstacked(var.get_value(), i), **extra)))
+            layers.append(nnx.merge(graphdef, nnx.from_flat_state(items)))
+        return layers
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def scan(self, fn: Callable[[nnx.Module, jax.Array, Any, jax.Array], tuple[jax.Array, Any]], x: jax.Array,
+             carry: Any) -> tuple[jax.Array, Any]:
+        """Applies fn(layer, x, carry, index) -> (x, carry) for each layer in order, tracing fn once."""
+        graphdef, state = nnx.split(self.layer)
+
+        def body(c, xs):
+            layer_state, index = xs
+            return fn(nnx.merge(graphdef, layer_state), *c, index), None
+
+        (x, carry), _ = jax.lax.scan(body, (x, carry), (state, jnp.arange(self.num_layers, dtype=jnp.int32)))
+        return x, carry
