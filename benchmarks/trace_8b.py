@@ -1,10 +1,11 @@
 """Tracing and lowering time of every bucket of the llama-3.1-8b-h100 preset's step, measured on this CPU as a
 proxy for what a GPU host pays on every cold start (random weights are not needed: the model is abstract).
 
-    python benchmarks/trace_8b.py [--compile]
+    python benchmarks/trace_8b.py [--compile] [--layers stacked|unrolled]
 
 Attention and matmuls use the jnp/XLA references (the GPU kernel would lower through Pallas' interpreter on a
-CPU). With --compile each bucket is also compiled by XLA:CPU (slow; not what a GPU compile costs).
+CPU). With --compile each bucket is also compiled by XLA:CPU (slow; not what a GPU compile costs). --layers
+unrolled traces every layer (a model whose layers differ, or the code before the scanned decoder).
 """
 
 from __future__ import annotations
@@ -30,11 +31,14 @@ LLAMA_31_8B = ModelConfig(
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--layers", choices=("stacked", "unrolled"), default="stacked")
     p.add_argument("--num-pages", type=int, default=64, help="KV pages (a shape only; allocated on this host)")
     args = p.parse_args()
     engine = EngineConfig.from_preset("llama-3.1-8b-h100")
     model = LlamaForCausalLM(LLAMA_31_8B, dtype=jnp.bfloat16, attn_impl="reference", matmul_impl="reference",
                              rngs=None)  # abstract parameters
+    if args.layers == "stacked":
+        model.stack_layers()
     runner = ModelRunner(model, num_pages=args.num_pages, page_size=engine.page_size,
                          max_model_len=engine.max_model_len, buckets=engine.buckets(), eos_token_ids=(128009,))
     totals = {"trace": 0.0, "lower": 0.0, "compile": 0.0}

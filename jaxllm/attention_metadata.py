@@ -26,9 +26,9 @@ class AttentionMetadata:
     def offset_pages(self, first_page: int | jax.Array, page_size: int) -> AttentionMetadata:
         """The same step on pages first_page, first_page + 1, ...: one layer's range in a cache that holds every
         layer's pages (padding slots stay negative)."""
-        return AttentionMetadata(
-            slot_mapping=jnp.where(self.slot_mapping < 0, self.slot_mapping, self.slot_mapping + first_page * page_size),
-            block_tables=self.block_tables + first_page, kv_lens=self.kv_lens, query_start_loc=self.query_start_loc)
+        slots = jnp.where(self.slot_mapping < 0, self.slot_mapping, self.slot_mapping + first_page * page_size)
+        return AttentionMetadata(slot_mapping=slots, block_tables=self.block_tables + first_page,
+                                 kv_lens=self.kv_lens, query_start_loc=self.query_start_loc)
 
     @classmethod
     def build(

@@ -9,11 +9,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.models.stacked_layers import LayerSlice
+
 MATMUL_IMPLS = ("auto", "reference", "cpu")
 
 
 def select_matmul(impl: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """``(x [..., in], w [out, in]) -> [..., out]`` for `impl`: "reference" is XLA's dot; "cpu" is the CPU
+    """``(x [..., in], w [out, in]) -> [..., out]`` (or ``(x, w [layers, out, in], layer) -> x @ w[layer].T``) for
+    `impl`: "reference" is XLA's dot; "cpu" is the CPU
     kernel for matmuls of few rows (`pallas_kernels.skinny_matmul.cpu`; it runs XLA's dot itself for more
     rows or other dtypes); "auto" picks "cpu" on the CPU backend."""
     if impl not in MATMUL_IMPLS:
@@ -50,7 +53,11 @@ class Linear(nnx.Module):
         self.matmul_impl = "auto"
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = select_matmul(self.matmul_impl)(x, self.weight[...])  # [..., out]
+        w = self.weight.get_value()
+        if isinstance(w, LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
+            y = select_matmul(self.matmul_impl)(x, w.stacked, w.index)  # [..., out]
+        else:
+            y = select_matmul(self.matmul_impl)(x, w)
         return y if self.bias is None else y + self.bias[...]
 
 

@@ -45,6 +45,36 @@ def _stack(values: list) -> jax.Array | jax.ShapeDtypeStruct:
     return stacked
 
 
+@jax.tree_util.register_pytree_node_class
+class LayerSlice:
+    """Slice `index` of a stacked parameter, not yet taken. Inside the scan a layer's parameters hold these: a
+    matmul kernel given (stacked, index) reads the slice in place, where an XLA:CPU dot on a dynamic slice of
+    the stack copies the slice first (every weight of every layer, every step). Anything else indexes it
+    (``var[...]``) and gets the slice as an array."""
+
+    def __init__(self, stacked: jax.Array, index: jax.Array):
+        self.stacked = stacked  # [num_layers, ...]
+        self.index = index  # [] int32
+
+    def tree_flatten(self):
+        return (self.stacked, self.index), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.stacked.shape[1:]
+
+    @property
+    def dtype(self):
+        return self.stacked.dtype
+
+    def __getitem__(self, key):
+        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)[key]
+
+
 def _unstacked(value, i: int):
     if isinstance(value, jax.ShapeDtypeStruct):
         sharding = value.sharding
@@ -99,9 +129,9 @@ class StackedLayers(nnx.Module):
         """Applies fn(layer, x, carry, index) -> (x, carry) for each layer in order, tracing fn once."""
         graphdef, state = nnx.split(self.layer)
 
-        def body(c, xs):
-            layer_state, index = xs
+        def body(c, index):
+            layer_state = jax.tree.map(lambda a: LayerSlice(a, index), state)
             return fn(nnx.merge(graphdef, layer_state), *c, index), None
 
-        (x, carry), _ = jax.lax.scan(body, (x, carry), (state, jnp.arange(self.num_layers, dtype=jnp.int32)))
+        (x, carry), _ = jax.lax.scan(body, (x, carry), jnp.arange(self.num_layers, dtype=jnp.int32))
         return x, carry

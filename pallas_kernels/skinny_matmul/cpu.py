@@ -2,10 +2,11 @@
 calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`, split: each thread streams its own
 contiguous share of the weight rows, then steals what is left of the others').
 
-For float32 on the CPU backend with at most MAX_ROWS input rows; anything else runs the reference (XLA's dot,
-which is faster once there are enough rows to reuse each weight from cache). A SmolLM2 single-token step's
-matmuls (120 linears and the tied LM head, 538 MB of weights): 25.0 ms with XLA's dot, 21.6 ms with this
-kernel; at 2-8 tokens 39-47 vs 26-38 ms (`benchmarks/matmul.py`)."""
+For float32 on the CPU backend with at most MAX_ROWS input rows (decode batches); anything else runs the
+reference (XLA's dot, faster once there are enough rows to reuse each weight from cache: prefill chunks). The
+kernel also reads one layer of a stacked weight in place, which XLA:CPU's dot cannot (it copies a dynamic slice
+first): the scanned decoder's matmuls at up to 32 rows are faster through it than XLA's dot on separate weights
+(`benchmarks/matmul.py`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 from pallas_kernels.skinny_matmul.reference import matmul as reference_matmul
 
 TARGET = "jaxllm_cpu_skinny_matmul"
-MAX_ROWS = 8
+MAX_ROWS = 32
 
 
 def _load_handler():
@@ -32,30 +33,36 @@ def register() -> None:
 
 def applies(x: jax.Array, w: jax.Array) -> bool:
     rows = int(np.prod(x.shape[:-1]))
-    return (x.dtype == w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and w.ndim == 2
+    return (x.dtype == w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and w.ndim in (2, 3)
             and jax.default_backend() == "cpu")
 
 
 @jax.custom_vjp
-def _kernel(x: jax.Array, w: jax.Array) -> jax.Array:  # [T, in], [out, in] -> [T, out]
+def _kernel(x: jax.Array, w: jax.Array, layer: jax.Array) -> jax.Array:  # [T, in], [L, out, in], [] -> [T, out]
     register()
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(x, w)
+    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(x, w, layer)
 
 
-def _kernel_fwd(x, w):
-    return _kernel(x, w), (x, w)
+def _kernel_fwd(x, w, layer):
+    return _kernel(x, w, layer), (x, w, layer)
 
 
 def _kernel_bwd(residuals, g):  # a notebook may differentiate through the model: plain matmuls backwards
-    x, w = residuals
-    return g @ w, g.T @ x
+    x, w, layer = residuals
+    w_layer = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), g.T @ x, layer, 0)
+    return g @ w_layer, dw, np.zeros(layer.shape, jax.dtypes.float0)
 
 
 _kernel.defvjp(_kernel_fwd, _kernel_bwd)
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in] @ w[out, in]^T -> [..., out]; the kernel for float32 with at most MAX_ROWS rows."""
+def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w[out, in]^T -> [..., out]; with `layer`, w is a stack [layers, out, in] and w[layer] is read
+    in place (the kernel is given the stack and the index: a sliced operand would be copied first). The kernel
+    for float32 with at most MAX_ROWS rows; the reference otherwise."""
     if not applies(x, w):
-        return reference_matmul(x, w)
-    return _kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+        return reference_matmul(x, w, layer)
+    stack = w if layer is not None else w[None]
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    return _kernel(x.reshape(-1, x.shape[-1]), stack, index).reshape(*x.shape[:-1], stack.shape[1])

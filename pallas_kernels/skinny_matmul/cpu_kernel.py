@@ -22,6 +22,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     export_symbol,
     is_execute,
     launch,
+    load32,
     load64,
     symbol,
     to_int,
@@ -101,11 +102,15 @@ _chunk_address = symbol("jaxllm_cpu_skinny_matmul_chunk", True)
 
 @numba.njit(**_KW)
 def _execute(frame):
-    """The FFI call: inputs (x [T, in], w [out, in]); output y [T, out]."""
+    """The FFI call: inputs (x [T, in], w [layers, out, in], layer [] int32); output y [T, out] = x @ w[layer].T.
+    The layer index is clamped into range, as XLA clamps a dynamic slice's."""
     x_p, x_d = buffer(frame, 0)
     w_p, w_d = buffer(frame, 1)
+    layer_p, _ = buffer(frame, 2)
     y_p, _ = buffer(frame, 0, True)
-    t, n, o = dim(x_d, 0), dim(x_d, 1), dim(w_d, 0)
+    t, n, o = dim(x_d, 0), dim(x_d, 1), dim(w_d, 1)
+    layer = min(max(np.int64(load32(layer_p)), 0), dim(w_d, 0) - 1)
+    w_p += layer * o * n * 4  # float32
     launch(frame, (x_p, w_p, y_p, t, n, o), (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _chunk_address(), True)
 
 

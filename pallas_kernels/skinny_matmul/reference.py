@@ -1,11 +1,14 @@
 """The reference skinny matmul: XLA's dot, contracting the weight's last dimension (``[out, in]``, as
-checkpoints ship it)."""
+checkpoints ship it). With `layer`, w is a stack of weights [layers, out, in] and the dot uses w[layer] (a
+backend that cannot read the slice in place copies it first)."""
 
 from __future__ import annotations
 
 import jax
 
 
-def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., in], w [out, in] -> [..., out]."""
+def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
+    """x [..., in], w [out, in] (or [layers, out, in] with `layer` [] int32) -> [..., out]."""
+    if layer is not None:
+        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
