@@ -25,11 +25,12 @@ def test_tensor_parallel_matches_single_device(tp, tiny_model_dir):
     ids = np.random.default_rng(1).integers(0, 1024, (2, 9))
     single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)
     lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp)
-    qkv = lm.model.layers[0].self_attn.qkv_proj.weight[...]  # [(heads + 2 kv_heads) * head_dim, hidden]
+    # Stacked over layers: [layers, (heads + 2 kv_heads) * head_dim, hidden]
+    qkv = lm.model.layers.layer.self_attn.qkv_proj.weight[...]
     cfg = lm.config
     assert len(qkv.sharding.device_set) == tp  # really sharded
-    assert qkv.addressable_shards[0].data.shape == ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp,
-                                                    cfg.hidden_size)
+    assert qkv.addressable_shards[0].data.shape == (
+        cfg.num_layers, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp, cfg.hidden_size)
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
@@ -48,6 +49,6 @@ def test_mesh_larger_than_device_count():
 def test_auto_kernels_under_tensor_parallel_on_cpu_are_the_partitionable_references(tiny_model_dir):
     folder, _ = tiny_model_dir("qwen2_tp")
     tp2 = load_model(folder, dtype="float32", tensor_parallel_size=2).model
-    assert (tp2.attn_impl, tp2.matmul_impl, tp2.layers[0].mlp.down_proj.matmul_impl) == ("reference",) * 3
+    assert (tp2.attn_impl, tp2.matmul_impl, tp2.layers.layer.mlp.down_proj.matmul_impl) == ("reference",) * 3
     tp1 = load_model(folder, dtype="float32", tensor_parallel_size=1).model
     assert (tp1.attn_impl, tp1.matmul_impl) == ("auto", "auto")  # -> the "cpu" kernels

@@ -86,3 +86,38 @@ def test_concurrent_callers_share_the_pool_safely():
         th.join()
     assert not errors
     assert busy_slots() == 0
+
+
+@pytest.mark.parametrize("t", [1, 5, cpu.MAX_ROWS])
+def test_a_layer_of_a_stacked_weight_is_read_in_place(t):
+    """Given the stack [layers, out, in] and a traced layer index (as inside the scanned decoder), the kernel reads
+    that layer's weight, and the custom call's operand is the whole stack, not a copied slice."""
+    rng = np.random.default_rng(1)
+    stacked = rng.standard_normal((4, 40, 24)).astype(np.float32)
+    x = rng.standard_normal((t, 24)).astype(np.float32)
+    run = jax.jit(cpu.matmul)
+    for layer in range(4):
+        got = np.asarray(run(x, stacked, jnp.int32(layer)))
+        np.testing.assert_allclose(got, x @ stacked[layer].T, rtol=1e-5, atol=1e-5)
+        assert np.array_equal(got, np.asarray(cpu.matmul(x, stacked[layer])))  # the same bits as unstacked
+    hlo = jax.jit(cpu.matmul).lower(x, stacked, jnp.int32(0)).compile().as_text()
+    call = next(line for line in hlo.splitlines() if cpu.TARGET in line)
+    assert "f32[4,40,24]" in call
+    # Out of range indices clamp as XLA's dynamic slices do.
+    np.testing.assert_allclose(np.asarray(run(x, stacked, jnp.int32(9))), x @ stacked[3].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(run(x, stacked, jnp.int32(-2))), x @ stacked[0].T, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_through_a_stacked_weight():
+    rng = np.random.default_rng(2)
+    stacked = jnp.asarray(rng.standard_normal((3, 20, 16)).astype(np.float32))
+    x = jnp.asarray(rng.standard_normal((2, 16)).astype(np.float32))
+
+    def loss(fn, x, w):
+        return jnp.sum(jnp.sin(fn(x, w, jnp.int32(1))))
+
+    got = jax.grad(lambda x, w: loss(cpu.matmul, x, w), argnums=(0, 1))(x, stacked)
+    want = jax.grad(lambda x, w: loss(reference.matmul, x, w), argnums=(0, 1))(x, stacked)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert not np.any(np.asarray(got[1])[[0, 2]])  # only the layer used gets a gradient

@@ -1,0 +1,92 @@
+"""The scanned decoder (`StackedLayers`): the same outputs and KV cache as the unrolled layers, a round trip back
+to separate layers, a model whose layers differ stays unrolled and runs, and a step's program does not grow with
+depth (the layer is traced once)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.models.layers import Linear
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.models.stacked_layers import LAYERS_AXIS, StackedLayers
+from tests.paged_driver import PagedRunner, greedy_generate
+
+CFG = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
+                  num_heads=4, num_kv_heads=2, head_dim=16, attention_bias=True, qk_norm=True)
+
+
+def _model(cfg=CFG, **kw) -> LlamaForCausalLM:
+    return LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw)  # the same weights every time
+
+
+@pytest.mark.parametrize("attn_impl", ["cpu", "reference"])
+def test_stacked_layers_give_the_unrolled_outputs_and_cache(attn_impl):
+    unrolled, stacked = _model(attn_impl=attn_impl), _model(attn_impl=attn_impl)
+    assert stacked.stack_layers() and isinstance(stacked.layers, StackedLayers) and not unrolled.stacked
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(stacked(ids)), np.asarray(unrolled(ids)), rtol=1e-5, atol=1e-5)
+
+    runners = [PagedRunner(m, num_pages=12, page_size=4) for m in (unrolled, stacked)]
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    outs = [greedy_generate(r, prompts, 6) for r in runners]
+    assert outs[0] == outs[1]
+    for a, b in zip(*(r.caches for r in runners), strict=True):  # each layer wrote its own range of pages
+        assert a.shape == (CFG.num_kv_heads, CFG.num_layers * 12, 4, CFG.head_dim)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        per_layer = np.asarray(a).reshape(CFG.num_kv_heads, CFG.num_layers, 12, 4, CFG.head_dim)
+        assert all(np.any(per_layer[:, layer]) for layer in range(CFG.num_layers))
+
+
+def test_unstacking_gives_back_the_layers():
+    original, model = _model(), _model()
+    model.stack_layers()
+    w = model.layers.layer.mlp.gate_up_proj.weight
+    assert w[...].shape == (CFG.num_layers, 2 * CFG.intermediate_size, CFG.hidden_size)
+    assert w.get_metadata()["axes"] == (LAYERS_AXIS, "mlp", "embed")  # the layer axis is never sharded
+    model.unstack_layers()
+    assert not model.stacked and len(model.layers) == CFG.num_layers
+    for got, want in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(original)), strict=True):
+        assert got[0] == want[0]
+        assert got[1].get_metadata()["axes"] == want[1].get_metadata()["axes"]
+        assert np.array_equal(np.asarray(got[1].get_value()), np.asarray(want[1].get_value()))
+
+
+def test_a_model_whose_layers_differ_stays_unrolled_and_runs():
+    """A notebook gives one layer a bias its siblings lack: stacking is refused, and the model still runs."""
+    model = _model(CFG)
+    model.layers[1].mlp.down_proj = Linear(CFG.intermediate_size, CFG.hidden_size, ("mlp", "embed"), bias=True,
+                                           rngs=nnx.Rngs(1))
+    assert not model.stack_layers() and isinstance(model.layers, nnx.List)
+    ids = jnp.asarray([[3, 4, 5, 6]], jnp.int32)
+    dense = np.asarray(model(ids))
+    paged = PagedRunner(model, num_pages=8, page_size=4).step({0: [3, 4, 5, 6]}, all_logits=True)[0]
+    np.testing.assert_allclose(paged, dense[0], rtol=1e-4, atol=1e-4)
+
+
+def _step_program(num_layers: int, stacked: bool) -> str:
+    cfg = dataclasses.replace(CFG, num_layers=num_layers)
+    model = _model(cfg, attn_impl="reference")
+    if stacked:
+        model.stack_layers()
+    runner = PagedRunner(model, num_pages=8, page_size=4)
+    meta = AttentionMetadata.build(query_lens=[3], context_lens=[3], block_tables=[[0]], page_size=4,
+                                   max_pages_per_seq=8)
+    graphdef = runner.graphdef
+
+    def forward(state, caches, ids, positions, meta):
+        return nnx.merge(graphdef, state).forward_paged(ids, positions, caches, meta)
+
+    ids = jnp.zeros(3, jnp.int32)
+    return jax.jit(forward).lower(runner.state, runner.caches, ids, ids, meta).as_text()
+
+
+def test_the_scanned_step_does_not_grow_with_depth():
+    shallow, deep = len(_step_program(2, True)), len(_step_program(12, True))
+    assert deep < 1.05 * shallow  # the layer is in the program once, whatever the depth
+    assert len(_step_program(12, False)) > 3 * len(_step_program(2, False))  # unrolled: once per layer
