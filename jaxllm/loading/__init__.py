@@ -86,7 +86,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         check_tensor_parallel(cfg, tp)
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, attn_impl=attn_impl, mesh=mesh)
     model.set_matmul_impl(matmul_impl)
-    model.stack_layers()  # a loaded model's layers share one structure: one scanned layer traces and compiles
+    model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
     name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name

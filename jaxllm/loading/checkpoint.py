@@ -67,7 +67,7 @@ def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -
     if not is_orbax_checkpoint(path):
         raise LoadError(f"{path}: not a jaxllm orbax checkpoint (no {CONFIG_FILE} and params/)")
     cfg = load_checkpoint_config(path)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl, stacked=False))  # saved layer by layer
     rules = logical_rules(cfg, mesh.shape["tp"])
     target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,

@@ -2,8 +2,9 @@
 
 Checkpoint tensors use Hugging Face names (GGUF names are translated to them first). Each is converted
 on the host, checked against the model's expected shape, cast, and placed directly onto its devices with
-its target sharding: the host holds at most a few converted tensors (`PREFETCH`) and the parts of the fused
-parameters not yet complete (q/k/v, gate/up: see `fused`).
+its target sharding: the host holds at most a few converted tensors (`PREFETCH`), the parts of the fused
+parameters not yet complete (q/k/v, gate/up: see `fused`) and the layers of the one stacked parameter being
+assembled (the model's layers are stacked: `jaxllm.models.stacked_layers`; tensors are read in that order).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import collections
 import concurrent.futures
 import re
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,8 +49,13 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | Non
     return tuple(path), None
 
 
-def abstract_model(cfg: ModelConfig, dtype, attn_impl: str) -> LlamaForCausalLM:
-    return LlamaForCausalLM(cfg, dtype=dtype, attn_impl=attn_impl, rngs=None)
+def abstract_model(cfg: ModelConfig, dtype, attn_impl: str, *, stacked: bool = True) -> LlamaForCausalLM:
+    """The model's shapes (no arrays), its layers stacked as the loaders return them (or separate: the layout of
+    an orbax checkpoint)."""
+    model = LlamaForCausalLM(cfg, dtype=dtype, attn_impl=attn_impl, rngs=None)
+    if stacked:
+        model.stack_layers()  # abstract: only shapes move
+    return model
 
 
 def place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
@@ -59,8 +66,8 @@ def place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 PREFETCH = 4  # tensors converted ahead of the one being placed
 
 
-def _prefetched(tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]]
-                ) -> Iterator[tuple[str, concurrent.futures.Future, str]]:
+def _prefetched(tensors: Iterable[tuple[str, Callable[[], np.ndarray], Any]]
+                ) -> Iterator[tuple[str, concurrent.futures.Future, Any]]:
     """The tensors with their conversion (dequantizing, reading; numpy releases the GIL) started a few ahead on
     two threads, so it overlaps placing the previous ones. The host holds at most PREFETCH + 1 converted
     tensors."""
@@ -74,6 +81,14 @@ def _prefetched(tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]]
             yield ahead.popleft()
 
 
+def _layer_slot(path: tuple) -> tuple[tuple, int | None]:
+    """('layers', 3, 'mlp', ...) -> (('layers', 'layer', 'mlp', ...), 3): the stacked variable and the layer;
+    other paths are their own variable (layer None)."""
+    if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int):
+        return ("layers", "layer", *path[2:]), path[1]
+    return path, None
+
+
 def assemble_model(
     cfg: ModelConfig,
     tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]],
@@ -82,43 +97,73 @@ def assemble_model(
     attn_impl: str,
     mesh: Mesh,
 ) -> LlamaForCausalLM:
-    """tensors: (hf_name, load() -> host array, source file for messages)."""
+    """tensors: (hf_name, load() -> host array, source file for messages). The layers' tensors are read one
+    stacked parameter at a time (all layers of one weight, then the next), stacked on the host and placed once,
+    so the host holds one stacked parameter and the devices never hold a second copy."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
+    order = {path: i for i, path in enumerate(variables)}
     rules = logical_rules(cfg, mesh.shape["tp"])
-    loaded: set[tuple] = set()
-    pending: dict[tuple, dict[int, np.ndarray]] = {}  # fused parameters still waiting for some of their parts
-
-    def put(path, var, array):
-        sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
-        var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
-        loaded.add(path)
-
-    for name, load, source in _prefetched(tensors):
+    entries = []  # (variable path, layer, part, name, load, source, expected shape)
+    for name, load, source in tensors:
         mapped = hf_name_to_path(name)
         if mapped is None or IGNORED.match(name):
             continue
         path, part = mapped
         if cfg.tie_word_embeddings and path == ("lm_head", "weight"):
             continue  # tied checkpoints sometimes ship a copy of the embedding
-        var = variables.get(path)
-        if var is None:
+        var_path, layer = _layer_slot(path)
+        var = variables.get(var_path)
+        if var is None or (layer is not None and layer >= cfg.num_layers):
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
-        array = load.result()
-        shape = tuple(var.get_value().shape)
-        expected = shape if part is None else part_shapes(path[-2], cfg, shape[1:])[part]
+        shape = tuple(var.get_value().shape)[0 if layer is None else 1:]
+        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape[1:])[part]
+        entries.append((var_path, layer, part, name, load, source, expected))
+    entries.sort(key=lambda e: (order[e[0]], -1 if e[1] is None else e[1], e[2] or 0))
+
+    loaded: set[tuple] = set()
+    pending: dict[tuple, dict[int, np.ndarray]] = {}  # fused parameters still waiting for some of their parts
+    layers: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters still waiting for some of their layers
+
+    def put(path, array):
+        var = variables[path]
+        sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
+        var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
+        loaded.add(path)
+
+    def complete(path, layer, array):
+        if layer is None:
+            return put(path, array)
+        done = layers.setdefault(path, {})
+        done[layer] = np.asarray(array, dtype=variables[path].get_value().dtype)
+        if len(done) == cfg.num_layers:
+            put(path, np.stack([done[i] for i in range(cfg.num_layers)]))
+            del layers[path]
+
+    stream = _prefetched((name, load, (path, layer, part, source, expected))
+                         for path, layer, part, name, load, source, expected in entries)
+    for name, future, (path, layer, part, source, expected) in stream:
+        array = future.result()
         if tuple(array.shape) != expected:
             raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
                             f"{expected}")
         if part is None:
-            put(path, var, array)
+            complete(path, layer, array)
             continue
-        parts = pending.setdefault(path, {})
+        parts = pending.setdefault((path, layer), {})
         parts[part] = array
         if len(parts) == NUM_PARTS[path[-2]]:
-            put(path, var, fuse(path[-2], [parts[i] for i in range(len(parts))], cfg))
-            del pending[path]
-    missing = [".".join(map(str, p)) for p in variables if p not in loaded]
+            complete(path, layer, fuse(path[-2], [parts[i] for i in range(len(parts))], cfg))
+            del pending[(path, layer)]
+    missing = []
+    for path in variables:
+        if path in loaded:
+            continue
+        if path[:2] == ("layers", "layer"):
+            got = layers.get(path, {})
+            missing += [".".join(map(str, ("layers", i, *path[2:]))) for i in range(cfg.num_layers) if i not in got]
+        else:
+            missing.append(".".join(map(str, path)))
     if missing:
         raise LoadError(f"checkpoint is missing {len(missing)} tensor(s) the config needs, e.g. {missing[:3]}")
     return nnx.merge(graphdef, state)
