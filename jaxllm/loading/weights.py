@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -98,8 +99,8 @@ def assemble_model(
     mesh: Mesh,
 ) -> LlamaForCausalLM:
     """tensors: (hf_name, load() -> host array, source file for messages). The layers' tensors are read one
-    stacked parameter at a time (all layers of one weight, then the next), stacked on the host and placed once,
-    so the host holds one stacked parameter and the devices never hold a second copy."""
+    stacked parameter at a time (all layers of one weight, then the next) into a host array of the stacked
+    shape, placed once it is full: the host holds one stacked parameter and the devices never a second copy."""
     graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
@@ -123,7 +124,8 @@ def assemble_model(
 
     loaded: set[tuple] = set()
     pending: dict[tuple, dict[int, np.ndarray]] = {}  # fused parameters still waiting for some of their parts
-    layers: dict[tuple, dict[int, np.ndarray]] = {}  # stacked parameters still waiting for some of their layers
+    stacks: dict[tuple, np.ndarray] = {}  # stacked parameters being filled on the host, [layers, ...]
+    filled: dict[tuple, set[int]] = {}  # their layers filled so far
 
     def put(path, array):
         var = variables[path]
@@ -131,36 +133,59 @@ def assemble_model(
         var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
         loaded.add(path)
 
-    def complete(path, layer, array):
-        if layer is None:
-            return put(path, array)
-        done = layers.setdefault(path, {})
-        done[layer] = np.asarray(array, dtype=variables[path].get_value().dtype)
-        if len(done) == cfg.num_layers:
-            put(path, np.stack([done[i] for i in range(cfg.num_layers)]))
-            del layers[path]
-
-    stream = _prefetched((name, load, (path, layer, part, source, expected))
-                         for path, layer, part, name, load, source, expected in entries)
-    for name, future, (path, layer, part, source, expected) in stream:
-        array = future.result()
+    def check(name, source, array, expected):
         if tuple(array.shape) != expected:
             raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
                             f"{expected}")
+
+    def stack_of(path) -> np.ndarray:
+        if path not in stacks:
+            value = variables[path].get_value()
+            stacks[path], filled[path] = np.empty(value.shape, value.dtype), set()
+        return stacks[path]
+
+    def into_stack(load, stack, layer, name, source, expected):
+        """On a loader thread: read, check and copy (casting) into the layer's slot; numpy copies without the GIL."""
+        array = load()
+        check(name, source, array, expected)
+        stack[layer] = array
+
+    def jobs():
+        for path, layer, part, name, load, source, expected in entries:
+            if layer is not None and part is None:
+                load = functools.partial(into_stack, load, stack_of(path), layer, name, source, expected)
+            yield name, load, (path, layer, part, source, expected)
+
+    def layer_done(path, layer):
+        filled[path].add(layer)
+        if len(filled[path]) == cfg.num_layers:
+            put(path, stacks.pop(path))
+
+    for name, future, (path, layer, part, source, expected) in _prefetched(jobs()):
+        array = future.result()
+        if layer is not None and part is None:
+            layer_done(path, layer)  # already in its slot
+            continue
+        check(name, source, array, expected)
         if part is None:
-            complete(path, layer, array)
+            put(path, array)
             continue
         parts = pending.setdefault((path, layer), {})
         parts[part] = array
         if len(parts) == NUM_PARTS[path[-2]]:
-            complete(path, layer, fuse(path[-2], [parts[i] for i in range(len(parts))], cfg))
+            fused = fuse(path[-2], [parts[i] for i in range(len(parts))], cfg)
             del pending[(path, layer)]
+            if layer is None:
+                put(path, fused)
+            else:
+                stack_of(path)[layer] = fused
+                layer_done(path, layer)
     missing = []
     for path in variables:
         if path in loaded:
             continue
         if path[:2] == ("layers", "layer"):
-            got = layers.get(path, {})
+            got = filled.get(path, set())
             missing += [".".join(map(str, ("layers", i, *path[2:]))) for i in range(cfg.num_layers) if i not in got]
         else:
             missing.append(".".join(map(str, path)))
