@@ -1,8 +1,10 @@
 """Plumbing for the CPU kernels: numba code called from a jitted step through XLA's typed FFI, and a parallel
 for-loop that runs on XLA's own intra-op thread pool.
 
-The FFI handler is a numba ``cfunc`` that reads XLA's C call frame (``xla/ffi/api/c_api.h``, API 0.x) by byte
-offsets, so no C++ toolchain is needed; buffers are used in place.
+The FFI handler is a numba ``cfunc`` that reads XLA's C call frame (``xla/ffi/api/c_api.h``, API 0.3) by byte
+offsets, so no C++ toolchain is needed; buffers are used in place. `check_ffi_abi` guards those offsets: before a
+kernel is registered, the installed jaxlib's header must declare the API version and the very struct definitions
+they were read from, or registration fails with an error that says which struct changed.
 
 Why XLA's thread pool rather than numba's ``prange``: inside a jitted step XLA's Eigen workers are awake
 (spinning) between thunks, so OpenMP workers on the same cores fight them. Measured on 2 cores, the 120
@@ -16,7 +18,9 @@ import ctypes
 import glob
 import hashlib
 import os
+import re
 import threading
+from pathlib import Path
 
 import jax
 import llvmlite.binding as llvm
@@ -359,12 +363,55 @@ _lock = threading.Lock()
 _handlers: dict[str, object] = {}  # keeps each compiled cfunc (and so its address) alive
 
 
+# The C API version and the structs whose byte offsets the numba code here reads, with a digest of each one's
+# definition (comments and spacing dropped) in the c_api.h of jaxlib 0.10.2, where the offsets were checked.
+FFI_API_VERSION = (0, 3)
+FFI_STRUCT_DIGESTS = {
+    "XLA_FFI_Extension_Base": "a8425dff22479236",
+    "XLA_FFI_Api_Version": "46faa8f5c86cd539",
+    "XLA_FFI_Buffer": "a47dcfe8c9bb5508",
+    "XLA_FFI_Args": "9d9baac4c9be8e1e",
+    "XLA_FFI_Rets": "04a6ede28dd54e1e",
+    "XLA_FFI_CallFrame": "2746cbe13ddf9f11",
+    "XLA_FFI_Metadata": "1b67b091700492bc",
+    "XLA_FFI_Metadata_Extension": "eca33c538c52a060",
+    "XLA_FFI_Api": "39fce3cb7c1e50c9",
+}
+
+
+def ffi_struct_digests(header: str) -> dict[str, str]:
+    digests = {}
+    for name in FFI_STRUCT_DIGESTS:
+        match = re.search(r"struct " + name + r" \{(.*?)\}", header, re.S)
+        body = " ".join(re.sub(r"//[^\n]*", "", match.group(1)).split()) if match else "missing"
+        digests[name] = hashlib.sha256(body.encode()).hexdigest()[:16]
+    return digests
+
+
+def check_ffi_abi(header_path: str | os.PathLike | None = None) -> None:
+    """Raises RuntimeError unless the XLA FFI C header (default: the installed jaxlib's) declares the API version
+    and the struct definitions this module's byte offsets were read from."""
+    path = Path(header_path or os.path.join(jax.ffi.include_dir(), "xla", "ffi", "api", "c_api.h"))
+    header = path.read_text()
+    version = tuple(int(m.group(1)) if (m := re.search(rf"#define XLA_FFI_API_{part} (\d+)", header)) else -1
+                    for part in ("MAJOR", "MINOR"))
+    changed = [name for name, digest in ffi_struct_digests(header).items() if digest != FFI_STRUCT_DIGESTS[name]]
+    if version != FFI_API_VERSION or changed:
+        raise RuntimeError(
+            f"{path}: XLA FFI API {version[0]}.{version[1]}, changed structs {changed or 'none'}; the CPU kernels read "
+            f"XLA's call frame by byte offsets checked against API {FFI_API_VERSION[0]}.{FFI_API_VERSION[1]} "
+            "(jaxlib 0.10.2). Re-check pallas_kernels/cpu_ffi.py against this header, or run with "
+            "attn_impl='reference' and matmul_impl='reference'.")
+
+
 def register_once(target: str, load_handler) -> None:
     """Registers the numba cfunc ``load_handler()`` returns (``void *handler(XLA_FFI_CallFrame *)``, see
     `HANDLER`) as the XLA:CPU FFI target ``target``, once per process."""
     with _lock:
         if target in _handlers:
             return
+        if not _handlers:
+            check_ffi_abi()
         handler = load_handler()
         new_capsule = ctypes.pythonapi.PyCapsule_New
         new_capsule.restype = ctypes.py_object
