@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.attention_metadata import AttentionMetadata
-from jaxllm.models.attention import select_paged_attention
+from jaxllm.kernels import attention_kernel, choose_kernels
 
 IMPLS = ("reference", "cpu")
 
@@ -55,7 +55,7 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> flo
     v = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
     # The engine's step: this step's K/V written into the (donated) cache, then attention. Here the written
     # slots are all padding (-1), so the timing is the attention's.
-    step = select_paged_attention(impl)
+    step = attention_kernel(choose_kernels(impl))
     new = jnp.zeros((t, KV_HEADS, HEAD_DIM), jnp.float32)
     no_slots = jnp.full((t,), -1, jnp.int32)
     fn = jax.jit(lambda q, k, v, m: step(q, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,

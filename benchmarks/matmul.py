@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.models.layers import select_matmul
+from jaxllm.kernels import choose_kernels, matmul_kernel
 
 E, F, LAYERS, VOCAB = 576, 1536, 30, 49152
 SHAPES = [(960, E), (E, E), (2 * F, E), (E, F)]  # [out, in]
@@ -62,8 +62,8 @@ def main() -> None:
     stacked = [jnp.stack(ws) for ws in zip(*layers, strict=True)]
     fns = {}
     for impl in ("reference", "cpu"):
-        fns[impl] = (chain(select_matmul(impl)), layers)
-        fns[impl + " scan"] = (scanned_chain(select_matmul(impl)), stacked)
+        fns[impl] = (chain(matmul_kernel(choose_kernels("reference", impl, platform="cpu"))), layers)
+        fns[impl + " scan"] = (scanned_chain(matmul_kernel(choose_kernels("reference", impl, platform="cpu"))), stacked)
     print(f"weights read per step: {weight_bytes / 1e6:.0f} MB; backend {jax.default_backend()}")
     for t in [int(v) for v in args.tokens.split(",")]:
         x = jnp.asarray(rng.standard_normal((t, E), np.float32))

@@ -15,17 +15,11 @@ import time
 
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner
 from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.models.llama import LlamaForCausalLM
-
-LLAMA_31_8B = ModelConfig(
-    architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
-    num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5, max_position_embeddings=131072,
-    rope=RopeConfig(theta=500000.0, rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8192), eos_token_ids=(128001, 128008, 128009))
+from jaxllm.plan import bundled_model_config
 
 
 def main() -> None:
@@ -35,7 +29,8 @@ def main() -> None:
     p.add_argument("--num-pages", type=int, default=64, help="KV pages (a shape only; allocated on this host)")
     args = p.parse_args()
     engine = EngineConfig.from_preset("llama-3.1-8b-h100")
-    model = LlamaForCausalLM(LLAMA_31_8B, dtype=jnp.bfloat16, attn_impl="reference", matmul_impl="reference",
+    cfg = bundled_model_config(engine.served_model_name)
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, attn_impl="reference", matmul_impl="reference",
                              rngs=None)  # abstract parameters
     if args.layers == "stacked":
         model.stack_layers()

@@ -47,3 +47,15 @@ def named_sharding(mesh: Mesh, rules: dict[str, str | None], axes: tuple[str | N
 def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
     """[kv_heads, num_pages, page_size, head_dim]: each device holds its own KV heads."""
     return NamedSharding(mesh, PartitionSpec(TP_AXIS, None, None, None))
+
+
+def shard_abstract(model, mesh: Mesh) -> None:
+    """Gives an abstract model's parameters (ShapeDtypeStructs, e.g. ``rngs=None``) the shardings the rules
+    give them on `mesh`: enough to lower or export a tensor-parallel step without weights."""
+    from flax import nnx
+
+    rules = logical_rules(model.config, mesh.shape[TP_AXIS])
+    for _, var in nnx.to_flat_state(nnx.state(model)):
+        value = var.get_value()
+        var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype,
+                                           sharding=named_sharding(mesh, rules, var.get_metadata()["axes"])))

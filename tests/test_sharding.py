@@ -51,4 +51,16 @@ def test_auto_kernels_under_tensor_parallel_on_cpu_are_the_partitionable_referen
     tp2 = load_model(folder, dtype="float32", tensor_parallel_size=2).model
     assert (tp2.attn_impl, tp2.matmul_impl, tp2.layers.layer.mlp.down_proj.matmul_impl) == ("reference",) * 3
     tp1 = load_model(folder, dtype="float32", tensor_parallel_size=1).model
-    assert (tp1.attn_impl, tp1.matmul_impl) == ("auto", "auto")  # -> the "cpu" kernels
+    assert (tp1.attn_impl, tp1.matmul_impl) == ("cpu", "cpu")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_a_pallas_kernel_under_tensor_parallel_runs_per_device(tiny_model_dir):
+    """GSPMD cannot partition a Pallas call: under TP it runs in shard_map on each device's KV heads (here in
+    Pallas' interpreter), with the same logits as one device."""
+    folder, _ = tiny_model_dir("qwen2_tp")
+    ids = np.random.default_rng(2).integers(0, 1024, (2, 6))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)[1]
+    lm = load_model(folder, dtype="float32", attn_impl="pallas_tpu", tensor_parallel_size=2)
+    assert lm.model.kernels.mesh is lm.mesh and lm.model.kernels.interpret
+    np.testing.assert_allclose(_logits(lm, ids)[1], single, atol=1e-4, rtol=0)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
 from jaxllm.dtypes import resolve_dtype
+from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
 from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
 from jaxllm.loading.errors import LoadError
@@ -66,26 +66,23 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
     tp = mesh.shape["tp"]
-    if tp > 1 and jax.default_backend() == "cpu":
-        # The CPU kernels are opaque custom calls, which GSPMD cannot split by heads or rows.
-        attn_impl = "reference" if attn_impl == "auto" else attn_impl
-        matmul_impl = "reference" if matmul_impl == "auto" else matmul_impl
+    kernels = choose_kernels(attn_impl, matmul_impl, platform=next(iter(mesh.devices.flat)).platform, dtype=dt,
+                             mesh=mesh)
     tokenizer = None
     if p.is_file():
         g = GGUFFile(p)
         cfg = gguf_config(g)
         check_tensor_parallel(cfg, tp)
-        model = assemble_model(cfg, gguf_tensors(g, cfg), dtype=dt, attn_impl=attn_impl, mesh=mesh)
+        model = assemble_model(cfg, gguf_tensors(g, cfg), dtype=dt, kernels=kernels, mesh=mesh)
         if load_tokenizer_too:
             tokenizer = tokenizer_from_gguf(g.metadata, str(p))
     elif is_orbax_checkpoint(p):
-        model = restore_checkpoint(p, dtype=dt, attn_impl=attn_impl, mesh=mesh)
+        model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh)
         cfg = model.config
     else:
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
-        model = assemble_model(cfg, hf_tensors(p), dtype=dt, attn_impl=attn_impl, mesh=mesh)
-    model.set_matmul_impl(matmul_impl)
+        model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh)
     model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)

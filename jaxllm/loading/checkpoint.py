@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig, RopeConfig
+from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.weights import abstract_model
 from jaxllm.models.llama import LlamaForCausalLM
@@ -62,12 +63,12 @@ def load_checkpoint_config(path: Path) -> ModelConfig:
     return ModelConfig(**raw)
 
 
-def restore_checkpoint(path: str | Path, *, dtype, attn_impl: str, mesh: Mesh) -> LlamaForCausalLM:
+def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh) -> LlamaForCausalLM:
     path = Path(path).absolute()
     if not is_orbax_checkpoint(path):
         raise LoadError(f"{path}: not a jaxllm orbax checkpoint (no {CONFIG_FILE} and params/)")
     cfg = load_checkpoint_config(path)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl, stacked=False))  # saved layer by layer
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, stacked=False))  # saved layer by layer
     rules = logical_rules(cfg, mesh.shape["tp"])
     target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,

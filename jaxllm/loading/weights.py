@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
+from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.fused import NUM_PARTS, PARTS, fuse, part_shapes
 from jaxllm.models.llama import LlamaForCausalLM
@@ -50,10 +51,10 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | Non
     return tuple(path), None
 
 
-def abstract_model(cfg: ModelConfig, dtype, attn_impl: str, *, stacked: bool = True) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, dtype, kernels: Kernels, *, stacked: bool = True) -> LlamaForCausalLM:
     """The model's shapes (no arrays), its layers stacked as the loaders return them (or separate: the layout of
     an orbax checkpoint)."""
-    model = LlamaForCausalLM(cfg, dtype=dtype, attn_impl=attn_impl, rngs=None)
+    model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None)
     if stacked:
         model.stack_layers()  # abstract: only shapes move
     return model
@@ -95,13 +96,13 @@ def assemble_model(
     tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]],
     *,
     dtype,
-    attn_impl: str,
+    kernels: Kernels,
     mesh: Mesh,
 ) -> LlamaForCausalLM:
     """tensors: (hf_name, load() -> host array, source file for messages). The layers' tensors are read one
     stacked parameter at a time (all layers of one weight, then the next) into a host array of the stacked
     shape, placed once it is full: the host holds one stacked parameter and the devices never a second copy."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, attn_impl))
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
     rules = logical_rules(cfg, mesh.shape["tp"])

@@ -2,12 +2,11 @@
 
 - `dense`: plain causal attention over a ``[batch, seq]`` input, no cache (research / parity use);
 - `paged`: a flat batch of ``T`` tokens whose K/V are written into the paged cache and whose attention
-  runs through the ragged paged attention implementation chosen by ``attn_impl``.
+  runs through the ragged paged attention kernel the model's `jaxllm.kernels.Kernels` chose.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -18,44 +17,6 @@ from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.models.layers import Linear, RMSNorm
 from jaxllm.models.rope import apply_rope
-from pallas_kernels.kv_cache import write_kv
-
-ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
-
-
-def _write_then(attention: Callable) -> Callable:
-    """A kernel that only reads the cache, preceded by the scatter of the step's K/V into it."""
-    def step(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, **options):
-        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
-        out = attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, **options)
-        return out, k_cache, v_cache
-    return step
-
-
-def select_paged_attention(impl: str) -> Callable:
-    """The paged attention step for `impl` ("auto" picks by the default backend):
-    ``(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *, sm_scale,
-    sliding_window) -> (out, k_cache, v_cache)``: writes the step's K/V into the cache, then attends."""
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"unknown attention implementation {impl!r}; choose one of {ATTENTION_IMPLS}")
-    backend = jax.default_backend()
-    if impl == "auto":
-        impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(backend, "cpu")
-    if impl == "reference":
-        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
-        return _write_then(ragged_paged_attention)
-    if impl == "cpu":  # one custom call writes the cache in place and attends
-        from pallas_kernels.ragged_paged_attention.cpu import register, write_and_attend
-        if backend == "cpu":
-            register()  # now, not when first traced: a step loaded from the executable cache is never traced
-        return write_and_attend
-    if impl == "pallas_tpu":
-        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
-    else:
-        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
-    # Away from its hardware a kernel runs in Pallas' interpreter (how the CPU test suite runs them).
-    native = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}[impl]
-    return _write_then(functools.partial(ragged_paged_attention, interpret=backend != native))
 
 
 def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None):

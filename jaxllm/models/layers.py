@@ -3,30 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxllm.kernels import choose_kernels, matmul_kernel
 from jaxllm.models.stacked_layers import LayerSlice
-
-MATMUL_IMPLS = ("auto", "reference", "cpu")
-
-
-def select_matmul(impl: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-    """``(x [..., in], w [out, in]) -> [..., out]`` (or ``(x, w [layers, out, in], layer) -> x @ w[layer].T``) for
-    `impl`: "reference" is XLA's dot; "cpu" is the CPU
-    kernel for matmuls of few rows (`pallas_kernels.skinny_matmul.cpu`; it runs XLA's dot itself for more
-    rows or other dtypes); "auto" picks "cpu" on the CPU backend."""
-    if impl not in MATMUL_IMPLS:
-        raise ValueError(f"unknown matmul implementation {impl!r}; choose one of {MATMUL_IMPLS}")
-    if impl == "cpu" or (impl == "auto" and jax.default_backend() == "cpu"):
-        from pallas_kernels.skinny_matmul.cpu import matmul, register
-        register()  # now, not when first traced: a step loaded from the executable cache is never traced
-        return matmul
-    from pallas_kernels.skinny_matmul.reference import matmul
-    return matmul
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | None):
@@ -41,8 +23,8 @@ def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | Non
 class Linear(nnx.Module):
     """y = x W^T + b with W stored [out, in], as checkpoints ship it. XLA:CPU also runs this contraction
     faster than x @ W[in, out] for 16+ rows (decode batches, prefill): 53 vs 66 ms for a SmolLM2 forward of
-    32 tokens (`benchmarks/offline.py` figures in the README). ``matmul_impl`` (set by the model, see
-    `select_matmul`) picks the kernel."""
+    32 tokens (`benchmarks/offline.py` figures in the README). ``kernels`` (set by the model: `jaxllm.kernels`)
+    picks the matmul kernel; a Linear built on its own uses the current backend's default."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
                  bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None):
@@ -50,14 +32,19 @@ class Linear(nnx.Module):
         self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype, in_features ** -0.5),  # [out, in]
                                 axes=(axes[1], axes[0]))
         self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
-        self.matmul_impl = "auto"
+        self.kernels = choose_kernels(dtype=dtype)
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.kernels.matmul
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight.get_value()
+        matmul = matmul_kernel(self.kernels)
         if isinstance(w, LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
-            y = select_matmul(self.matmul_impl)(x, w.stacked, w.index)  # [..., out]
+            y = matmul(x, w.stacked, w.index)  # [..., out]
         else:
-            y = select_matmul(self.matmul_impl)(x, w)
+            y = matmul(x, w)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -76,11 +63,15 @@ class RMSNorm(nnx.Module):
 class Embed(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype, 0.02), axes=("vocab", "embed"))  # [vocab, embed]
-        self.matmul_impl = "auto"
+        self.kernels = choose_kernels(dtype=dtype)
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.kernels.matmul
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [..., embed] -> logits [..., vocab] (the embedding is the head's [out, in] weight)."""
-        return select_matmul(self.matmul_impl)(x, self.embedding[...])
+        return matmul_kernel(self.kernels)(x, self.embedding[...])

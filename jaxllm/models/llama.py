@@ -19,8 +19,9 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.attention import Attention, select_paged_attention
-from jaxllm.models.layers import Embed, Linear, RMSNorm, select_matmul
+from jaxllm.kernels import Kernels, attention_kernel, choose_kernels
+from jaxllm.models.attention import Attention
+from jaxllm.models.layers import Embed, Linear, RMSNorm
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
 from jaxllm.models.stacked_layers import StackedLayers
 
@@ -57,19 +58,39 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", matmul_impl: str = "auto",
-                 rngs: nnx.Rngs | None = None):
-        """rngs: random initialisation; None builds shapes only, for a loader to fill in. attn_impl and
-        matmul_impl pick the kernels (`select_paged_attention`, `select_matmul`)."""
+                 kernels: Kernels | None = None, rngs: nnx.Rngs | None = None):
+        """rngs: random initialisation; None builds shapes only, for a loader to fill in. kernels: the kernel
+        choice (`jaxllm.kernels.choose_kernels`, e.g. for another platform); default: attn_impl and matmul_impl
+        chosen for this process's backend."""
         self.config = cfg
         self.dtype = dtype
-        self.attn_impl = attn_impl
-        select_paged_attention(attn_impl)  # fail early on a bad name
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
-        self.set_matmul_impl(matmul_impl)
+        self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
+
+    def set_kernels(self, kernels: Kernels) -> None:
+        """Uses `kernels` for attention and for every linear layer (and the tied LM head)."""
+        self.kernels = kernels
+        for _, module in nnx.iter_modules(self):
+            if isinstance(module, (Linear, Embed)):
+                module.kernels = kernels
+
+    def set_matmul_impl(self, impl: str) -> None:
+        """Switches the matmul kernel only (e.g. "reference" or "cpu"), keeping the rest of the choice."""
+        k = self.kernels
+        self.set_kernels(choose_kernels(k.attention, impl, platform=k.platform, dtype=self.dtype,
+                                        interpret=k.interpret))
+
+    @property
+    def attn_impl(self) -> str:
+        return self.kernels.attention
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.kernels.matmul
 
     @property
     def stacked(self) -> bool:
@@ -96,14 +117,6 @@ class LlamaForCausalLM(nnx.Module):
         for index, layer in enumerate(self.layers):
             x, carry = fn(layer, x, carry, index)
         return x, carry
-
-    def set_matmul_impl(self, impl: str) -> None:
-        """Points every linear layer (and the tied LM head) at the matmul kernel `impl`."""
-        select_matmul(impl)  # fail early on a bad name
-        self.matmul_impl = impl
-        for _, module in nnx.iter_modules(self):
-            if isinstance(module, (Linear, Embed)):
-                module.matmul_impl = impl
 
     def _rope(self, positions: jax.Array):
         # Frequencies are trace-time numpy constants, not parameters.
@@ -135,7 +148,7 @@ class LlamaForCausalLM(nnx.Module):
                       metadata: AttentionMetadata) -> tuple[jax.Array, KVCache]:
         """input_ids, positions [T] -> final hidden states [T, E] and the updated cache. `metadata` names pages
         0..pages_per_layer-1; each layer reads and writes its own range of the cache."""
-        attn_fn = select_paged_attention(self.attn_impl)
+        attn_fn = attention_kernel(self.kernels)
         cos, sin = self._rope(positions)
         x = self.embed_tokens(input_ids)
         _, total_pages, page_size, _ = kv_cache[0].shape

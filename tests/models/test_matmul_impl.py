@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import Embed, Linear, select_matmul
+from jaxllm.kernels import choose_kernels
+from jaxllm.models.layers import Embed, Linear
 from jaxllm.models.llama import LlamaForCausalLM
 from pallas_kernels.skinny_matmul import cpu
 
@@ -45,6 +46,6 @@ def test_cpu_kernel_logits_match_xla_dot(shape):
 
 def test_unknown_matmul_impl_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown matmul implementation 'fast'"):
-        select_matmul("fast")
+        choose_kernels(matmul_impl="fast")
     with pytest.raises(ValueError, match="unknown matmul implementation"):
         _model("fast")

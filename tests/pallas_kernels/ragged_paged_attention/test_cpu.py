@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.attention import select_paged_attention
+from jaxllm.kernels import attention_kernel, choose_kernels
 from pallas_kernels.cpu_ffi import busy_slots
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_serial
@@ -54,8 +54,8 @@ def _step(impl, case, **options):
         if slot >= 0:
             expected_k[:, slot // page_size, slot % page_size] = k_new[tok]
             expected_v[:, slot // page_size, slot % page_size] = v_new[tok]
-    step = jax.jit(functools.partial(select_paged_attention(impl), sm_scale=d ** -0.5, **options),
-                   donate_argnums=(3, 4))
+    kernel = attention_kernel(choose_kernels(impl, platform="cpu"))
+    step = jax.jit(functools.partial(kernel, sm_scale=d ** -0.5, **options), donate_argnums=(3, 4))
     got = step(case.q, jnp.asarray(k_new), jnp.asarray(v_new), jnp.array(case.k_cache), jnp.array(case.v_cache),
                m.slot_mapping, m.kv_lens, m.block_tables, m.query_start_loc)
     expected_case = dataclasses.replace(case, k_cache=jnp.asarray(expected_k), v_cache=jnp.asarray(expected_v))

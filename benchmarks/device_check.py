@@ -1,0 +1,280 @@
+"""One command for a GPU or TPU host: are the native kernels right, how fast are they, does the engine agree
+with the CPU engine, and how close does an 8B-shaped model come to the device's roofline.
+
+    python benchmarks/device_check.py [--out out/device_check]      # on the accelerator host (~8 min on an H100)
+    python benchmarks/device_check.py --smoke                       # every part on this backend, tiny shapes
+
+Parts (each recorded even when another fails; the exit status is 1 if any check failed):
+1. parity: the chosen attention kernel (`jaxllm.kernels`, native on this platform) against the jnp reference
+   over decode, prefill and mixed batches, float32 and bfloat16 caches, with and without a sliding window;
+2. attention speed: decode 64 x 1024 and 256 x 2048 contexts and a mixed batch; KV bytes read per second
+   against the device's peak HBM bandwidth (`jaxllm.plan.DEVICES`);
+3. engine agreement: the embedded SmolLM2 in bfloat16 on this device against the float32 CPU engine (run in a
+   subprocess with JAX_PLATFORMS=cpu), greedy, the first diverging token per prompt;
+4. 8B roofline: a Llama-3.1-8B-shaped model with random bfloat16 weights (no download): decode tok/s at batch 1,
+   32, 128 and 256 (prompt 1024, 128 new tokens) and prefill tok/s, against the HBM-bandwidth (decode) and
+   FLOP (prefill) rooflines;
+5. no recompilation during the timed runs of parts 3 and 4.
+Writes device_check.json and device_check.md under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.config import ModelConfig
+from jaxllm.engine import compile_monitor
+from jaxllm.kernels import attention_kernel, choose_kernels
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.plan import DEVICES, Device, bundled_model_config
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
+           "Explain photosynthesis in one sentence.", "Who wrote Hamlet?", "What is 17 times 23?",
+           "Name a color of the rainbow.", "Translate 'good morning' into Spanish.", "What is a paged KV cache?",
+           "Give a synonym for happy.", "How many legs does a spider have?", "What is the boiling point of water?",
+           "Describe a cat in five words.", "What does CPU stand for?", "Spell 'necessary' backwards.",
+           "What is the largest planet?"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    decode_shapes: tuple[tuple[int, int], ...]  # (sequences, context)
+    mixed: tuple[tuple[int, int], ...]  # (query_len, context) per sequence
+    heads: tuple[int, int, int]  # q heads, KV heads, head_dim (attention parts)
+    page_size: int
+    prompts: int
+    engine_tokens: int
+    model: ModelConfig
+    batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+
+
+def sizes(smoke: bool) -> Sizes:
+    if smoke:
+        tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
+                           num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+        return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8)
+    return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
+                 len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
+                 1024, 128)
+
+
+def device_profile() -> Device | None:
+    kind = jax.devices()[0].device_kind.lower()
+    for key, device in DEVICES.items():
+        if key in kind.replace(" ", ""):
+            return device
+    return None
+
+
+def _batch(seqs, heads, page_size, dtype, seed=0):
+    """q, k/v caches with random pages, and metadata for sequences of (query_len, context)."""
+    h, kvh, d = heads
+    rng = np.random.default_rng(seed)
+    pages = [-(-ctx // page_size) for _, ctx in seqs]
+    perm = rng.permutation(sum(pages) + 1)
+    tables, at = [], 0
+    for n in pages:
+        tables.append(perm[at:at + n].tolist())
+        at += n
+    meta = AttentionMetadata.build(query_lens=[q for q, _ in seqs], context_lens=[c for _, c in seqs],
+                                   block_tables=tables, page_size=page_size)
+    t = sum(q for q, _ in seqs)
+    shape = (kvh, sum(pages) + 1, page_size, d)
+    k = jnp.asarray(rng.standard_normal(shape), dtype)
+    v = jnp.asarray(rng.standard_normal(shape), dtype)
+    q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
+    new = jnp.asarray(rng.standard_normal((t, kvh, d)), dtype)
+    return q, new, k, v, meta
+
+
+def _attend(kernels, q, new, k, v, meta, **options):
+    fn = jax.jit(functools.partial(attention_kernel(kernels), sm_scale=q.shape[-1] ** -0.5, **options))
+    return fn(q, new, new, k, v, meta.slot_mapping, meta.kv_lens, meta.block_tables, meta.query_start_loc)
+
+
+def part_parity(s: Sizes) -> dict:
+    rows, ok = [], True
+    for dtype in (jnp.float32, jnp.bfloat16):
+        kernels = choose_kernels(dtype=dtype)
+        reference = choose_kernels("reference", dtype=dtype)
+        for name, seqs in (("decode", [(1, c) for c in (1, 17, 64, 90)]), ("prefill", [(37, 37), (20, 20)]),
+                           ("mixed", [(1, 40), (13, 50), (21, 21), (1, 77)])):
+            for window in (None, 24):
+                q, new, k, v, meta = _batch(seqs, s.heads, s.page_size, dtype)
+                got = np.asarray(_attend(kernels, q, new, k, v, meta, sliding_window=window)[0], np.float32)
+                want = np.asarray(_attend(reference, q, new, k, v, meta, sliding_window=window)[0], np.float32)
+                err = float(np.max(np.abs(got - want)))
+                tol = 2e-5 if dtype == jnp.float32 else 3e-2
+                rows.append({"kernel": kernels.attention, "dtype": jnp.dtype(dtype).name, "batch": name,
+                             "sliding_window": window, "max_abs_err": err, "ok": err <= tol})
+                ok &= err <= tol
+    return {"ok": ok, "rows": rows}
+
+
+def _timed(fn, *args, rounds: int = 10) -> float:
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def part_attention_speed(s: Sizes, device: Device | None) -> dict:
+    kernels = choose_kernels(dtype=jnp.bfloat16)
+    rows = []
+    cases = [(f"decode {n} x {ctx}", [(1, ctx)] * n) for n, ctx in s.decode_shapes] + [("mixed", list(s.mixed))]
+    for name, seqs in cases:
+        q, new, k, v, meta = _batch(seqs, s.heads, s.page_size, jnp.bfloat16)
+        no_slots = jnp.full_like(meta.slot_mapping, -1)  # the timing is the attention's, not the cache write's
+        fn = jax.jit(lambda q, new, k, v, m, slots: attention_kernel(kernels)(
+            q, new, new, k, v, slots, m.kv_lens, m.block_tables, m.query_start_loc, sm_scale=0.1)[0])
+        sec = _timed(fn, q, new, k, v, meta, no_slots)
+        kv_bytes = sum(ctx for _, ctx in seqs) * 2 * s.heads[1] * s.heads[2] * 2
+        gbs = kv_bytes / sec / 1e9
+        rows.append({"case": name, "ms": sec * 1e3, "kv_GB_s": gbs,
+                     "fraction_of_peak": gbs * 1e9 / device.hbm_bytes_per_s if device else None})
+    return {"ok": True, "kernel": kernels.attention, "rows": rows}
+
+
+CPU_REFERENCE = """
+import json, sys
+from jaxllm import LLM, SamplingParams
+llm = LLM(dtype="float32", max_num_seqs=16, max_model_len=512)
+outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[1])],
+                    SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True), use_tqdm=False)
+print(json.dumps([o.outputs[0].token_ids for o in outs]))
+"""
+
+
+def part_engine_agreement(s: Sizes) -> dict:
+    llm = LLM(dtype="bfloat16", max_num_seqs=16, max_model_len=512)
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+               for p in PROMPTS[:s.prompts]]
+    params = SamplingParams(temperature=0, max_tokens=s.engine_tokens, ignore_eos=True)
+    before = compile_monitor.snapshot()
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    recompiles = compile_monitor.snapshot()["compiles"] - before["compiles"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", CPU_REFERENCE, json.dumps(prompts), str(s.engine_tokens)],
+                         env=env, capture_output=True, text=True, check=True)
+    cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None) for x, y in zip(ours, cpu,
+                                                                                                       strict=True)]
+    agree = sum(f is None for f in first)
+    return {"ok": recompiles == 0, "prompts": len(prompts), "identical": agree, "first_divergence": first,
+            "recompiles_while_running": recompiles}
+
+
+def part_roofline(s: Sizes, device: Device | None) -> dict:
+    cfg = s.model
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, rngs=__import__("flax").nnx.Rngs(0))
+    model.stack_layers()
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    top = max(s.batches)
+    llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_num_batched_tokens=max(2048, s.prompt_len),
+              max_model_len=s.prompt_len + s.new_tokens + 16,
+              num_pages=top * -(-(s.prompt_len + s.new_tokens + 16) // 16) + 8)
+    rng = np.random.default_rng(0)
+    rows, recompiles = [], 0
+    for batch in s.batches:
+        prompts = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()} for _ in range(batch)]
+        before = compile_monitor.snapshot()["compiles"]
+        prefill_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, prefill_params, use_tqdm=False)
+        prefill_s = time.perf_counter() - start
+        params = SamplingParams(temperature=0, max_tokens=s.new_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        total_s = time.perf_counter() - start
+        recompiles += compile_monitor.snapshot()["compiles"] - before
+        decode_s = max(total_s - prefill_s, 1e-9)  # the second run re-prefills (prefix cache hits the prompt)
+        decode_tok_s = batch * (s.new_tokens - 1) / decode_s
+        prefill_tok_s = batch * s.prompt_len / prefill_s
+        context = s.prompt_len + s.new_tokens // 2
+        row = {"batch": batch, "decode_tok_s": decode_tok_s, "prefill_tok_s": prefill_tok_s}
+        if device:
+            roof = batch * device.hbm_bytes_per_s / (weight_bytes + batch * context * kv_token)
+            flops = 2 * weight_bytes / 2 * s.prompt_len * batch  # 2 FLOPs per parameter per token
+            row |= {"decode_roofline_tok_s": roof, "decode_fraction": decode_tok_s / roof,
+                    "prefill_fraction": (flops / prefill_s) / device.bf16_flops}
+        rows.append(row)
+    return {"ok": recompiles == 0, "recompiles_while_running": recompiles, "weight_GB": weight_bytes / 1e9,
+            "rows": rows}
+
+
+def to_markdown(report: dict) -> str:
+    lines = [f"# device_check: {report['device']} ({report['backend']}){' — smoke' if report['smoke'] else ''}", ""]
+    for name, part in report["parts"].items():
+        lines.append(f"## {name}: {'ok' if part.get('ok') else 'FAILED'}")
+        rows = part.get("rows")
+        if rows:
+            keys = list(rows[0])
+            lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            for r in rows:
+                lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values())
+                             + " |")
+        rest = {k: v for k, v in part.items() if k not in ("rows", "ok")}
+        if rest:
+            lines.append("")
+            lines.append(", ".join(f"{k}: {v}" for k, v in rest.items()))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever backend this is")
+    p.add_argument("--out", default="out/device_check")
+    args = p.parse_args()
+    compile_monitor.install()
+    s = sizes(args.smoke)
+    device = device_profile()
+    report = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "smoke": args.smoke,
+              "parts": {}}
+    parts = {"1 kernel parity": lambda: part_parity(s),
+             "2 attention speed": lambda: part_attention_speed(s, device),
+             "3 engine agreement (SmolLM2 bf16 vs CPU f32)": lambda: part_engine_agreement(s),
+             "4 8B-shaped roofline": lambda: part_roofline(s, device)}
+    for name, run in parts.items():
+        start = time.perf_counter()
+        try:
+            report["parts"][name] = run()
+        except Exception as e:  # every part runs; a failure is recorded with its traceback
+            report["parts"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                     "traceback": traceback.format_exc(limit=5)}
+        report["parts"][name]["seconds"] = round(time.perf_counter() - start, 1)
+        print(f"{name}: {'ok' if report['parts'][name]['ok'] else 'FAILED'} "
+              f"({report['parts'][name]['seconds']} s)", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "device_check.json").write_text(json.dumps(report, indent=1))
+    (out / "device_check.md").write_text(to_markdown(report))
+    print(to_markdown(report))
+    sys.exit(0 if all(part["ok"] for part in report["parts"].values()) else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""Which implementation runs each kernel op: one decision, made once, for a target platform.
+
+`choose_kernels` turns the requested settings (``attn_impl``, ``matmul_impl``: a name or "auto") into a
+`Kernels` for the platform the step will run on (default: this process's backend), so that a CPU host can build
+the step a TPU or GPU runs, with the native kernels. Every rule lives here:
+
+- "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32
+  caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for float32, else XLA's dot.
+- Tensor parallelism on CPU takes the references: the CPU kernels are opaque custom calls that GSPMD cannot
+  split by heads or rows.
+- A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);
+  ``interpret=False`` forces the native kernel, which only lowers (e.g. for `jax.export` to that platform).
+- A CPU kernel asked for another platform, or for a cache dtype it does not handle, is an error, not a fallback.
+- Under tensor parallelism a kernel GSPMD cannot partition (a Pallas kernel: "Mosaic kernels cannot be
+  automatically partitioned") runs inside `jax.shard_map` over the mesh's ``tp`` axis, each device on its own
+  KV heads; the jnp reference is left to GSPMD.
+
+The model stores the `Kernels` (static: part of its graph definition) and gets its callables from
+`attention_kernel` and `matmul_kernel`; the kernels themselves never look at the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.sharding import TP_AXIS
+
+ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
+MATMUL_IMPLS = ("auto", "reference", "cpu")
+PLATFORMS = ("cpu", "tpu", "gpu")
+_NATIVE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
+
+
+def normalize_platform(platform: str) -> str:
+    """jax.export's names ("cuda", "rocm") and the backends' ("gpu") -> one of PLATFORMS."""
+    platform = {"cuda": "gpu", "rocm": "gpu"}.get(platform.lower(), platform.lower())
+    if platform not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}; choose one of {PLATFORMS} (or cuda, rocm)")
+    return platform
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    attention: str  # reference | cpu | pallas_tpu | pallas_gpu
+    matmul: str  # reference | cpu
+    platform: str  # the platform the step is built for
+    interpret: bool = False  # a Pallas attention kernel in the interpreter (off its platform)
+    mesh: Mesh | None = None  # with a tp axis of more than one device: the attention kernel runs per device
+
+    def __post_init__(self):
+        if self.attention not in ATTENTION_IMPLS[1:] or self.matmul not in MATMUL_IMPLS[1:]:
+            raise ValueError(f"Kernels holds chosen implementations, not {self.attention!r} / {self.matmul!r}")
+        normalize_platform(self.platform)
+
+
+def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platform: str | None = None,
+                   dtype=jnp.float32, tensor_parallel_size: int = 1, interpret: bool | None = None,
+                   mesh: Mesh | None = None) -> Kernels:
+    """The kernels for a step on `platform` (default: the current backend) with caches and weights of `dtype`,
+    over `mesh` (its ``tp`` size is the tensor-parallel size) or `tensor_parallel_size` devices.
+    interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own."""
+    if mesh is not None:
+        tensor_parallel_size = mesh.shape[TP_AXIS]
+    if attn_impl not in ATTENTION_IMPLS:
+        raise ValueError(f"unknown attention implementation {attn_impl!r}; choose one of {ATTENTION_IMPLS}")
+    if matmul_impl not in MATMUL_IMPLS:
+        raise ValueError(f"unknown matmul implementation {matmul_impl!r}; choose one of {MATMUL_IMPLS}")
+    platform = normalize_platform(platform or jax.default_backend())
+    float32 = jnp.dtype(dtype) == jnp.float32
+    cpu_kernels = platform == "cpu" and float32 and tensor_parallel_size == 1
+    if attn_impl == "auto":
+        attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_kernels else "reference")
+    if matmul_impl == "auto":
+        matmul_impl = "cpu" if cpu_kernels else "reference"
+    for name, impl in (("attention", attn_impl), ("matmul", matmul_impl)):
+        if impl == "cpu" and platform != "cpu":
+            raise ValueError(f"the cpu {name} kernel runs on CPU only, not on {platform}")
+    if attn_impl == "cpu" and not float32:
+        raise ValueError(f"the cpu attention kernel reads float32 caches, not {jnp.dtype(dtype).name}")
+    if interpret is None:
+        interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
+    return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None)
+
+
+def _write_then(attention: Callable) -> Callable:
+    """A kernel that only reads the cache, preceded by the scatter of the step's K/V into it."""
+    from pallas_kernels.kv_cache import write_kv
+
+    def step(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, **options):
+        k_cache, v_cache = write_kv(k_cache, v_cache, k, v, slot_mapping)
+        out = attention(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, **options)
+        return out, k_cache, v_cache
+    return step
+
+
+def _per_device(step: Callable, mesh: Mesh) -> Callable:
+    """`step` on each device's own KV heads: q, k, v split on their head axis, the caches on their leading KV-head
+    axis (as `jaxllm.sharding` places them), the metadata replicated."""
+    heads, cache, whole = P(None, TP_AXIS, None), P(TP_AXIS, None, None, None), P()
+
+    def run(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, **options):
+        # check_vma off: a Pallas call inside shard_map does not declare how its outputs vary over the mesh.
+        per_device = jax.shard_map(functools.partial(step, **options), mesh=mesh, check_vma=False,
+                                   in_specs=(heads, heads, heads, cache, cache, whole, whole, whole, whole),
+                                   out_specs=(heads, cache, cache))
+        return per_device(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc)
+    return run
+
+
+@functools.cache
+def attention_kernel(kernels: Kernels) -> Callable:
+    """The paged attention step: ``(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
+    query_start_loc, *, sm_scale, sliding_window) -> (out, k_cache, v_cache)``: writes the step's K/V into the
+    cache, then attends."""
+    if kernels.attention == "reference":
+        from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
+        return _write_then(ragged_paged_attention)
+    if kernels.attention == "cpu":  # one custom call writes the cache in place and attends
+        from pallas_kernels.ragged_paged_attention.cpu import register, write_and_attend
+        if jax.default_backend() == "cpu":
+            register()  # now, not when first traced: a step loaded from the executable cache is never traced
+        return write_and_attend
+    if kernels.attention == "pallas_tpu":
+        from pallas_kernels.ragged_paged_attention.tpu import ragged_paged_attention
+    else:
+        from pallas_kernels.ragged_paged_attention.gpu import ragged_paged_attention
+    step = _write_then(functools.partial(ragged_paged_attention, interpret=kernels.interpret))
+    return step if kernels.mesh is None else _per_device(step, kernels.mesh)
+
+
+@functools.cache
+def matmul_kernel(kernels: Kernels) -> Callable:
+    """``(x [..., in], w [out, in]) -> [..., out]``, or ``(x, w [layers, out, in], layer) -> x @ w[layer].T``:
+    "reference" is XLA's dot; "cpu" the CPU kernel for matmuls of few rows (it runs XLA's dot itself for more)."""
+    if kernels.matmul == "cpu":
+        from pallas_kernels.skinny_matmul.cpu import matmul, register
+        if jax.default_backend() == "cpu":
+            register()  # now, not when first traced: a step loaded from the executable cache is never traced
+        return matmul
+    from pallas_kernels.skinny_matmul.reference import matmul
+    return matmul

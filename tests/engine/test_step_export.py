@@ -1,0 +1,101 @@
+"""The engine's real step (forward through the paged cache, LM head, sampler), built by `ModelRunner` for a
+GPU or TPU from this CPU host, with abstract weights at Llama-3.1 shapes, exports with `jax.export` with the
+native kernel: the TPU kernel's Mosaic call for `tpu`, the Triton call for `cuda`; the 70B preset's step
+exports for an 8-device TPU mesh with the weights and KV cache split as the sharding rules say.
+
+Sampled buckets (each export takes seconds): the smallest, one middle and the largest of each preset."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax import export
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.model_runner import ModelRunner
+from jaxllm.engine.scheduler import ScheduledStep
+from jaxllm.kernels import choose_kernels
+from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.plan import bundled_model_config
+from jaxllm.sharding import make_mesh, shard_abstract
+
+LLAMA_8B = bundled_model_config("meta-llama/Llama-3.1-8B-Instruct")
+LLAMA_70B = bundled_model_config("meta-llama/Llama-3.1-70B-Instruct")
+# The kernels' custom calls in the exported module (not allowed by jax.export unless named).
+NATIVE_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
+
+
+def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None) -> tuple[ModelRunner, list[str]]:
+    engine = EngineConfig.from_preset(preset)
+    kernels = choose_kernels("auto", engine.matmul_impl, platform=platform, dtype=jnp.bfloat16, interpret=False,
+                             tensor_parallel_size=engine.tensor_parallel_size, mesh=mesh)
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, kernels=kernels, rngs=None)  # abstract weights
+    model.stack_layers()
+    if mesh is not None:
+        shard_abstract(model, mesh)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
+    runner = ModelRunner(model, num_pages=16, page_size=engine.page_size, max_model_len=engine.max_model_len,
+                         buckets=engine.buckets(), eos_token_ids=(128009,), mesh=mesh)
+    return runner, paths
+
+
+def _export(runner: ModelRunner, bucket: tuple[int, int], platform: str) -> export.Exported:
+    args = (runner._abstract_params, runner._abstract_caches, *runner._inputs(ScheduledStep([], []), bucket)[0])
+    checks = [export.DisabledSafetyCheck.custom_call(NATIVE_CALL[platform])]
+    return export.export(runner._jit, platforms=[platform], disabled_checks=checks)(*args)
+
+
+def _sampled(buckets: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [buckets[0], buckets[len(buckets) // 2], buckets[-1]]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_8b_step_exports_with_the_native_kernel(platform):
+    runner, _ = _runner(LLAMA_8B, "llama-3.1-8b-h100", platform)
+    assert len(runner.buckets) == 14
+    for bucket in _sampled(runner.buckets):
+        exported = _export(runner, bucket, platform)
+        text = exported.mlir_module()
+        assert exported.platforms == (platform,)
+        assert NATIVE_CALL[platform] in text, bucket
+        # One scanned layer: the kernel appears once in the module, not once per layer.
+        assert text.count(NATIVE_CALL[platform]) <= 2, bucket
+        assert "stablehlo.while" in text
+        tokens, seqs = bucket
+        assert [a.shape for a in exported.out_avals][-4:] == [(seqs,), (seqs,), (seqs, 20), (seqs, 20)]
+
+
+def _arg_shardings(module: str) -> list[str]:
+    """The Shardy sharding of each argument of the exported module's main function, in order."""
+    signature = re.search(r"func\.func public @main\((.*?)\) ->", module, re.S).group(1)
+    return [m.group(1) if (m := re.search(r"sdy\.sharding = #sdy\.sharding<@mesh, (\[.*?\])>", arg)) else "none"
+            for arg in signature.split("%arg")[1:]]
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs --xla_force_host_platform_device_count=8")
+def test_the_70b_tp8_step_exports_for_tpu_with_the_intended_shardings():
+    mesh = make_mesh(8)
+    runner, paths = _runner(LLAMA_70B, "llama-3.1-70b-tp8", "tpu", mesh)
+    bucket = runner.buckets[len(runner.buckets) // 2]
+    exported = _export(runner, bucket, "tpu")
+    module = exported.mlir_module()
+    assert exported.nr_devices == 8 and NATIVE_CALL["tpu"] in module
+    assert "sdy.manual_computation" in module  # the kernel runs per device (shard_map), not partitioned by GSPMD
+    args = _arg_shardings(module)
+    shardings = dict(zip(paths, args, strict=False))
+
+    def spec(fragment: str) -> str:
+        (match,) = [s for p, s in shardings.items() if fragment in p]
+        return match
+
+    # Stacked weights [layers, out, in]: column-parallel rows split 8 ways, row-parallel columns split 8 ways,
+    # the layer axis never; norms replicated; the vocabulary split.
+    assert spec("'qkv_proj']['weight'") == spec("'gate_up_proj']['weight'") == '[{}, {"tp"}, {}]'
+    assert spec("'o_proj']['weight'") == spec("'down_proj']['weight'") == '[{}, {}, {"tp"}]'
+    assert spec("'input_layernorm']['weight'") == "[{}, {}]"
+    assert spec("['embed_tokens']['embedding']") == spec("['lm_head']['weight']") == '[{"tp"}, {}]'
+    k_cache, v_cache = args[len(paths):len(paths) + 2]
+    assert k_cache == v_cache == '[{"tp"}, {}, {}, {}]'  # each device holds its KV heads of every page

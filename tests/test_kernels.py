@@ -1,0 +1,61 @@
+"""The one kernel decision (`jaxllm.kernels.choose_kernels`): its rules for each platform, dtype and
+tensor-parallel size, its errors, and a model following it everywhere."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.kernels import Kernels, choose_kernels
+from jaxllm.models.layers import Embed, Linear
+from jaxllm.models.llama import LlamaForCausalLM
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+@pytest.mark.parametrize(("platform", "dtype", "tp", "want"), [
+    ("cpu", F32, 1, ("cpu", "cpu", False)),
+    ("cpu", BF16, 1, ("reference", "reference", False)),  # the CPU kernels are float32 only
+    ("cpu", F32, 2, ("reference", "reference", False)),  # GSPMD cannot split an opaque custom call
+    ("tpu", BF16, 8, ("pallas_tpu", "reference", False)),
+    ("gpu", BF16, 1, ("pallas_gpu", "reference", False)),
+    ("cuda", BF16, 1, ("pallas_gpu", "reference", False)),
+])
+def test_auto_choices(platform, dtype, tp, want):
+    k = choose_kernels(platform=platform, dtype=dtype, tensor_parallel_size=tp)
+    assert (k.attention, k.matmul, k.interpret) == want
+
+
+def test_a_pallas_kernel_off_its_platform_is_interpreted_unless_told_otherwise():
+    assert choose_kernels("pallas_tpu", platform="cpu").interpret
+    assert choose_kernels("pallas_gpu", platform="cpu").interpret
+    assert not choose_kernels("pallas_tpu", platform="cpu", interpret=False).interpret  # lowers natively
+    assert not choose_kernels("pallas_tpu", platform="tpu").interpret
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"attn_impl": "flash"}, "unknown attention implementation 'flash'"),
+    ({"matmul_impl": "fast"}, "unknown matmul implementation 'fast'"),
+    ({"attn_impl": "cpu", "platform": "tpu"}, "the cpu attention kernel runs on CPU only"),
+    ({"matmul_impl": "cpu", "platform": "gpu"}, "the cpu matmul kernel runs on CPU only"),
+    ({"attn_impl": "cpu", "platform": "cpu", "dtype": BF16}, "reads float32 caches, not bfloat16"),
+    ({"platform": "metal"}, "unknown platform 'metal'"),
+])
+def test_impossible_choices_are_errors_not_fallbacks(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        choose_kernels(**kwargs)
+
+
+def test_the_model_and_every_linear_follow_one_choice():
+    cfg = ModelConfig(architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    kernels = choose_kernels(platform="tpu", dtype=BF16)
+    model = LlamaForCausalLM(cfg, dtype=BF16, kernels=kernels, rngs=None)
+    assert model.kernels == kernels == Kernels("pallas_tpu", "reference", "tpu", False)
+    modules = [m for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, Embed))]
+    assert len(modules) == 2 * 4 + 1 and {m.kernels for m in modules} == {kernels}
+    model.set_matmul_impl("reference")
+    assert model.kernels.attention == "pallas_tpu" and model.matmul_impl == "reference"
+    default = LlamaForCausalLM(cfg, rngs=None)
+    assert default.kernels == choose_kernels(platform=jax.default_backend())

@@ -1,0 +1,46 @@
+"""`python -m jaxllm.plan` against a hand computation for Llama-3.1-8B on one H100 (bfloat16)."""
+
+import pytest
+
+from jaxllm.engine.config import EngineConfig
+from jaxllm.plan import DEVICES, GIB, bundled_model_config, main, make_plan
+
+
+@pytest.fixture(autouse=True)
+def _default_allocator(monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+
+
+def test_llama_8b_on_h100_matches_the_hand_computation():
+    engine = EngineConfig.from_preset("llama-3.1-8b-h100")
+    cfg = bundled_model_config(engine.served_model_name)
+    plan = make_plan(cfg, engine, DEVICES["h100"], tp=1, context=1024)
+    # Parameters: embedding and LM head (untied) 128256 x 4096 each; per layer q/k/v (32 + 2 x 8 heads) x 128 rows,
+    # o 4096 x 4096, gate/up/down 3 x 14336 x 4096, two norms; the final norm.
+    v, e, f, layers = 128256, 4096, 14336, 32
+    params = 2 * v * e + layers * ((32 + 16) * 128 * e + e * e + 3 * f * e + 2 * e) + e
+    assert params == 8_030_261_248
+    assert plan.weight_bytes == plan.weight_bytes_per_device == 2 * params
+    assert plan.kv_bytes_per_token == 2 * layers * 8 * 128 * 2 == 128 * 1024
+    budget = (0.75 * 80 * GIB - 2 * params) * 0.9  # JAX's default allocator share, then kv_memory_fraction
+    assert plan.num_pages == int(budget) // (128 * 1024 * 16) == 20755
+    assert plan.max_model_len == 32768
+    assert plan.max_concurrency == pytest.approx(20755 * 16 / 32768)
+    # Batch 1 reads every weight and 1024 tokens of KV a step.
+    assert plan.decode_tok_s[1] == pytest.approx(3.35e12 / (2 * params + 1024 * 128 * 1024))
+    assert plan.decode_tok_s[256] == pytest.approx(256 * 3.35e12 / (2 * params + 256 * 1024 * 128 * 1024))
+
+
+def test_tensor_parallel_splits_weights_and_kv():
+    engine = EngineConfig.from_preset("llama-3.1-70b-tp8")
+    cfg = bundled_model_config(engine.served_model_name)
+    plan = make_plan(cfg, engine, DEVICES["h100"], tp=8, context=1024)
+    replicated = 2 * (cfg.num_layers * 2 + 1) * cfg.hidden_size  # the norms, bfloat16
+    assert plan.weight_bytes_per_device == (plan.weight_bytes - replicated) // 8 + replicated
+    assert plan.kv_bytes_per_token_per_device == plan.kv_bytes_per_token // 8 == 40 * 1024
+
+
+def test_the_command_prints_a_plan(capsys):
+    main(["--preset", "llama-3.1-70b-tp8", "--device", "v6e"])
+    out = capsys.readouterr().out
+    assert "TPU v6e x 8" in out and "decode roofline, batch 1" in out and "maximum concurrency" in out
