@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.kernels import attention_kernel, choose_kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_batch import random_paged_batch  # noqa: E402 (beside this script)
 
 IMPLS = ("reference", "cpu")
 
@@ -40,19 +44,8 @@ def memory_bandwidth_gbs(rounds: int) -> float:
 
 
 def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> float:
-    rng = np.random.default_rng(0)
-    pages = [-(-ctx // PAGE) for _, ctx in seqs]
-    perm = rng.permutation(sum(pages))
-    tables, at = [], 0
-    for n in pages:
-        tables.append(perm[at:at + n].tolist())
-        at += n
-    meta = AttentionMetadata.build(query_lens=[q for q, _ in seqs], context_lens=[c for _, c in seqs],
-                                   block_tables=tables, page_size=PAGE)
-    t = sum(q for q, _ in seqs)
-    q = jnp.asarray(rng.standard_normal((t, HEADS, HEAD_DIM)), jnp.float32)
-    k = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
-    v = jnp.asarray(rng.standard_normal((KV_HEADS, sum(pages), PAGE, HEAD_DIM)), jnp.float32)
+    q, _, k, v, meta = random_paged_batch(seqs, (HEADS, KV_HEADS, HEAD_DIM), PAGE, jnp.float32)
+    t = q.shape[0]
     # The engine's step: this step's K/V written into the (donated) cache, then attention. Here the written
     # slots are all padding (-1), so the timing is the attention's.
     step = attention_kernel(choose_kernels(impl))

@@ -36,12 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.engine import compile_monitor
 from jaxllm.kernels import attention_kernel, choose_kernels
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.plan import DEVICES, Device, bundled_model_config
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paged_batch import random_paged_batch  # noqa: E402 (beside this script)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain photosynthesis in one sentence.", "Who wrote Hamlet?", "What is 17 times 23?",
@@ -63,16 +65,18 @@ class Sizes:
     batches: tuple[int, ...]
     prompt_len: int
     new_tokens: int
+    engine: dict  # EngineConfig options of the engines of parts 3 and 4 (smoke: two small buckets)
 
 
 def sizes(smoke: bool) -> Sizes:
     if smoke:
         tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-        return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8)
+        return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8,
+                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)})
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
-                 1024, 128)
+                 1024, 128, {"max_num_batched_tokens": 2048})
 
 
 def device_profile() -> Device | None:
@@ -81,27 +85,6 @@ def device_profile() -> Device | None:
         if key in kind.replace(" ", ""):
             return device
     return None
-
-
-def _batch(seqs, heads, page_size, dtype, seed=0):
-    """q, k/v caches with random pages, and metadata for sequences of (query_len, context)."""
-    h, kvh, d = heads
-    rng = np.random.default_rng(seed)
-    pages = [-(-ctx // page_size) for _, ctx in seqs]
-    perm = rng.permutation(sum(pages) + 1)
-    tables, at = [], 0
-    for n in pages:
-        tables.append(perm[at:at + n].tolist())
-        at += n
-    meta = AttentionMetadata.build(query_lens=[q for q, _ in seqs], context_lens=[c for _, c in seqs],
-                                   block_tables=tables, page_size=page_size)
-    t = sum(q for q, _ in seqs)
-    shape = (kvh, sum(pages) + 1, page_size, d)
-    k = jnp.asarray(rng.standard_normal(shape), dtype)
-    v = jnp.asarray(rng.standard_normal(shape), dtype)
-    q = jnp.asarray(rng.standard_normal((t, h, d)), dtype)
-    new = jnp.asarray(rng.standard_normal((t, kvh, d)), dtype)
-    return q, new, k, v, meta
 
 
 def _attend(kernels, q, new, k, v, meta, **options):
@@ -117,7 +100,7 @@ def part_parity(s: Sizes) -> dict:
         for name, seqs in (("decode", [(1, c) for c in (1, 17, 64, 90)]), ("prefill", [(37, 37), (20, 20)]),
                            ("mixed", [(1, 40), (13, 50), (21, 21), (1, 77)])):
             for window in (None, 24):
-                q, new, k, v, meta = _batch(seqs, s.heads, s.page_size, dtype)
+                q, new, k, v, meta = random_paged_batch(seqs, s.heads, s.page_size, dtype)
                 got = np.asarray(_attend(kernels, q, new, k, v, meta, sliding_window=window)[0], np.float32)
                 want = np.asarray(_attend(reference, q, new, k, v, meta, sliding_window=window)[0], np.float32)
                 err = float(np.max(np.abs(got - want)))
@@ -143,7 +126,7 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
     rows = []
     cases = [(f"decode {n} x {ctx}", [(1, ctx)] * n) for n, ctx in s.decode_shapes] + [("mixed", list(s.mixed))]
     for name, seqs in cases:
-        q, new, k, v, meta = _batch(seqs, s.heads, s.page_size, jnp.bfloat16)
+        q, new, k, v, meta = random_paged_batch(seqs, s.heads, s.page_size, jnp.bfloat16)
         no_slots = jnp.full_like(meta.slot_mapping, -1)  # the timing is the attention's, not the cache write's
         fn = jax.jit(lambda q, new, k, v, m, slots: attention_kernel(kernels)(
             q, new, new, k, v, slots, m.kv_lens, m.block_tables, m.query_start_loc, sm_scale=0.1)[0])
@@ -158,7 +141,9 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
 CPU_REFERENCE = """
 import json, sys
 from jaxllm import LLM, SamplingParams
-llm = LLM(dtype="float32", max_num_seqs=16, max_model_len=512)
+options = json.loads(sys.argv[3])
+options["token_buckets"] = tuple(options["token_buckets"]) if "token_buckets" in options else None
+llm = LLM(dtype="float32", max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8, **options)
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[1])],
                     SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True), use_tqdm=False)
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
@@ -166,7 +151,8 @@ print(json.dumps([o.outputs[0].token_ids for o in outs]))
 
 
 def part_engine_agreement(s: Sizes) -> dict:
-    llm = LLM(dtype="bfloat16", max_num_seqs=16, max_model_len=512)
+    # 16 sequences of up to 512 tokens in 16-token pages
+    llm = LLM(dtype="bfloat16", max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8, **s.engine)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
                for p in PROMPTS[:s.prompts]]
@@ -176,7 +162,8 @@ def part_engine_agreement(s: Sizes) -> dict:
                                                           use_tqdm=False)]
     recompiles = compile_monitor.snapshot()["compiles"] - before["compiles"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", CPU_REFERENCE, json.dumps(prompts), str(s.engine_tokens)],
+    out = subprocess.run([sys.executable, "-c", CPU_REFERENCE, json.dumps(prompts), str(s.engine_tokens),
+                          json.dumps(s.engine)],
                          env=env, capture_output=True, text=True, check=True)
     cpu = json.loads(out.stdout.strip().splitlines()[-1])
     first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None) for x, y in zip(ours, cpu,
@@ -193,9 +180,9 @@ def part_roofline(s: Sizes, device: Device | None) -> dict:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     top = max(s.batches)
-    llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_num_batched_tokens=max(2048, s.prompt_len),
-              max_model_len=s.prompt_len + s.new_tokens + 16,
-              num_pages=top * -(-(s.prompt_len + s.new_tokens + 16) // 16) + 8)
+    max_len = s.prompt_len + s.new_tokens + 16
+    llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_model_len=max_len,
+              num_pages=top * -(-max_len // 16) + 8, **s.engine)
     rng = np.random.default_rng(0)
     rows, recompiles = [], 0
     for batch in s.batches:
