@@ -6,6 +6,9 @@ import jax
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# KV cache element types: the model's dtype ("auto"), a narrower float, or float8 (values stored unscaled, as vLLM
+# does for checkpoints without calibrated KV scales; the kernels read pages and compute in float32).
+KV_CACHE_DTYPES = {**DTYPES, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 
 
 def resolve_dtype(name: str | None = "auto", backend: str | None = None):
@@ -15,3 +18,14 @@ def resolve_dtype(name: str | None = "auto", backend: str | None = None):
         return DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(DTYPES)}") from None
+
+
+def resolve_kv_cache_dtype(name: str | None, model_dtype):
+    """The KV cache's dtype: `name`, or the model's for "auto"/None."""
+    if name in (None, "auto"):
+        return jnp.dtype(model_dtype).type
+    try:
+        return KV_CACHE_DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown kv_cache_dtype {name!r}; choose one of auto, {', '.join(KV_CACHE_DTYPES)}") \
+            from None

@@ -61,10 +61,11 @@ class Kernels:
 
 
 def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platform: str | None = None,
-                   dtype=jnp.float32, tensor_parallel_size: int = 1, interpret: bool | None = None,
+                   dtype=jnp.float32, kv_dtype=None, tensor_parallel_size: int = 1, interpret: bool | None = None,
                    mesh: Mesh | None = None) -> Kernels:
-    """The kernels for a step on `platform` (default: the current backend) with caches and weights of `dtype`,
-    over `mesh` (its ``tp`` size is the tensor-parallel size) or `tensor_parallel_size` devices.
+    """The kernels for a step on `platform` (default: the current backend) with weights of `dtype` and a KV cache
+    of `kv_dtype` (default: `dtype`), over `mesh` (its ``tp`` size is the tensor-parallel size) or
+    `tensor_parallel_size` devices.
     interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own."""
     if mesh is not None:
         tensor_parallel_size = mesh.shape[TP_AXIS]
@@ -73,17 +74,18 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
     if matmul_impl not in MATMUL_IMPLS:
         raise ValueError(f"unknown matmul implementation {matmul_impl!r}; choose one of {MATMUL_IMPLS}")
     platform = normalize_platform(platform or jax.default_backend())
-    float32 = jnp.dtype(dtype) == jnp.float32
-    cpu_kernels = platform == "cpu" and float32 and tensor_parallel_size == 1
+    kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
+    cpu_kernels = platform == "cpu" and tensor_parallel_size == 1
     if attn_impl == "auto":
-        attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_kernels else "reference")
+        cpu_attention = cpu_kernels and kv_dtype == jnp.float32
+        attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_attention else "reference")
     if matmul_impl == "auto":
-        matmul_impl = "cpu" if cpu_kernels else "reference"
+        matmul_impl = "cpu" if cpu_kernels and jnp.dtype(dtype) == jnp.float32 else "reference"
     for name, impl in (("attention", attn_impl), ("matmul", matmul_impl)):
         if impl == "cpu" and platform != "cpu":
             raise ValueError(f"the cpu {name} kernel runs on CPU only, not on {platform}")
-    if attn_impl == "cpu" and not float32:
-        raise ValueError(f"the cpu attention kernel reads float32 caches, not {jnp.dtype(dtype).name}")
+    if attn_impl == "cpu" and kv_dtype != jnp.float32:
+        raise ValueError(f"the cpu attention kernel reads float32 caches, not {kv_dtype.name}")
     if interpret is None:
         interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
     return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None)

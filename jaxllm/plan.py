@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.dtypes import resolve_dtype
+from jaxllm.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from jaxllm.engine.config import EngineConfig
 from jaxllm.kernels import Kernels
 from jaxllm.models.llama import LlamaForCausalLM
@@ -100,7 +100,8 @@ def make_plan(cfg: ModelConfig, engine: EngineConfig, device: Device, tp: int, c
         split = any(rules.get(a) == TP_AXIS for a in var.get_metadata()["axes"] if a)
         total += size
         per_device += size // tp if split else size
-    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+    kv_itemsize = jnp.dtype(resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype)).itemsize
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     kv_token_device = kv_token // tp
     fraction = float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", device.allocator_fraction)) \
         if device.allocator_fraction < 1 else 1.0
@@ -143,8 +144,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", choices=sorted(DEVICES), help="default: from the preset's name, else h100")
     p.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence for the roofline")
+    p.add_argument("--kv-cache-dtype", help="default: the preset's (auto: the model's dtype)")
     args = p.parse_args(argv)
-    engine = EngineConfig.from_preset(args.preset, model=args.model)
+    engine = EngineConfig.from_preset(args.preset, model=args.model, kv_cache_dtype=args.kv_cache_dtype)
     cfg = model_config(engine)
     device = args.device or next((d for d in DEVICES if d in args.preset), "h100")
     plan = make_plan(cfg, engine, DEVICES[device], args.tp or engine.tensor_parallel_size, args.context)

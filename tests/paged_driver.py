@@ -24,13 +24,13 @@ def _forward(graphdef, state, ids, positions, caches, meta, logit_rows):
 
 
 class PagedRunner:
-    def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int = 16, mesh=None):
+    def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int = 16, mesh=None, kv_dtype=None):
         cfg = model.config
         self.graphdef, self.state = nnx.split(model)
         self.page_size = page_size
         self.num_pages = num_pages
         self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
-                                        model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
+                                        kv_dtype or model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
         self.free_pages = list(range(num_pages))
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}

@@ -18,12 +18,14 @@ F32, BF16 = jnp.float32, jnp.bfloat16
     ("cpu", F32, 1, ("cpu", "cpu", False)),
     ("cpu", BF16, 1, ("reference", "reference", False)),  # the CPU kernels are float32 only
     ("cpu", F32, 2, ("reference", "reference", False)),  # GSPMD cannot split an opaque custom call
+    ("cpu", (F32, BF16), 1, ("reference", "cpu", False)),  # float32 weights, a bfloat16 KV cache
     ("tpu", BF16, 8, ("pallas_tpu", "reference", False)),
     ("gpu", BF16, 1, ("pallas_gpu", "reference", False)),
     ("cuda", BF16, 1, ("pallas_gpu", "reference", False)),
 ])
 def test_auto_choices(platform, dtype, tp, want):
-    k = choose_kernels(platform=platform, dtype=dtype, tensor_parallel_size=tp)
+    dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, None)
+    k = choose_kernels(platform=platform, dtype=dtype, kv_dtype=kv_dtype, tensor_parallel_size=tp)
     assert (k.attention, k.matmul, k.interpret) == want
 
 

@@ -44,3 +44,10 @@ def test_the_command_prints_a_plan(capsys):
     main(["--preset", "llama-3.1-70b-tp8", "--device", "v6e"])
     out = capsys.readouterr().out
     assert "TPU v6e x 8" in out and "decode roofline, batch 1" in out and "maximum concurrency" in out
+
+
+def test_a_float8_cache_halves_kv_bytes_and_doubles_pages():
+    engine = EngineConfig.from_preset("llama-3.1-8b-h100", kv_cache_dtype="float8_e4m3fn")
+    plan = make_plan(bundled_model_config(engine.served_model_name), engine, DEVICES["h100"], tp=1, context=1024)
+    assert plan.kv_bytes_per_token == 64 * 1024
+    assert plan.num_pages == 2 * 20755 or plan.num_pages == 2 * 20755 + 1

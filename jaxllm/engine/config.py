@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxllm.config import ConfigError
+from jaxllm.dtypes import KV_CACHE_DTYPES
 
 
 def preset_names() -> list[str]:
@@ -38,6 +39,7 @@ class EngineConfig:
     attn_impl: str = "auto"
     matmul_impl: str = "auto"
     # KV cache
+    kv_cache_dtype: str = "auto"  # the model's dtype, or bfloat16, float16, float32, float8_e4m3fn, float8_e5m2
     page_size: int = 16
     num_pages: int | None = None  # explicit page count; else sized from kv_memory_fraction
     kv_memory_fraction: float = 0.2  # of total host RAM (CPU) or of device memory left after weights
@@ -58,6 +60,8 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
+             f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size must be a power of two"),
             (self.num_pages is None or self.num_pages >= 2, "num_pages must be >= 2"),
             (0 < self.kv_memory_fraction < 1, "kv_memory_fraction must be in (0, 1)"),

@@ -10,7 +10,10 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
+from jaxllm.config import ConfigError
+from jaxllm.dtypes import resolve_kv_cache_dtype
 from jaxllm.engine import compile_monitor
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
@@ -87,7 +90,8 @@ class LLMEngine:
                 logger.warning("executable cache off: %s", e)
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                                attn_impl=config.attn_impl, matmul_impl=config.matmul_impl)
+                                attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
+                                kv_cache_dtype=config.kv_cache_dtype)
         load_s = time.perf_counter() - start
         if loaded is not None:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
@@ -99,6 +103,10 @@ class LLMEngine:
         self.model_name = config.served_model_name or name
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+        if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) != jnp.float32:
+            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
+                              "float32 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
@@ -107,7 +115,8 @@ class LLMEngine:
         start = time.perf_counter()
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
                                   max_model_len=self.max_model_len, buckets=config.buckets(),
-                                  eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache)
+                                  eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache,
+                                  kv_cache_dtype=self.kv_cache_dtype)
         self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -131,7 +140,8 @@ class LLMEngine:
 
     def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
         c, cfg = self.config, model.config
-        page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * model.dtype(0).itemsize
+        page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * \
+            jnp.dtype(self.kv_cache_dtype).itemsize
         num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
         max_len = min(c.max_model_len or cfg.max_position_embeddings, num_pages * c.page_size)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "

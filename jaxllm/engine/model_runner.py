@@ -76,7 +76,8 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
-                 executable_cache: ExecutableCache | None = None):
+                 executable_cache: ExecutableCache | None = None, kv_cache_dtype=None):
+        """kv_cache_dtype: the cache's element type (default: the model's dtype)."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -101,7 +102,8 @@ class ModelRunner:
         # Logit-bias slots per row: a request's own entries, plus its stop and EOS ids masked before min_tokens.
         self.bias_width = -(-(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(eos_token_ids)) // 8) * 8
         self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
-                                        model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
+                                        kv_cache_dtype or model.dtype,
+                                        kv_cache_sharding(mesh) if mesh is not None else None)
         # Device-resident "nothing to do" inputs, reused so steps without penalties or biases transfer nothing.
         # (Built in numpy and put: jnp.full would compile a computation per shape at every start.)
         put = jax.device_put

@@ -9,7 +9,7 @@ from pathlib import Path
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig
-from jaxllm.dtypes import resolve_dtype
+from jaxllm.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
 from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
@@ -61,13 +61,13 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
 
 def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", tensor_parallel_size: int = 1,
                attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
-               load_tokenizer_too: bool = True) -> LoadedModel:
+               load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None) -> LoadedModel:
     p = _resolve(path)
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
     tp = mesh.shape["tp"]
     kernels = choose_kernels(attn_impl, matmul_impl, platform=next(iter(mesh.devices.flat)).platform, dtype=dt,
-                             mesh=mesh)
+                             kv_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dt), mesh=mesh)
     tokenizer = None
     if p.is_file():
         g = GGUFFile(p)

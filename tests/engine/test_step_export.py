@@ -28,17 +28,17 @@ LLAMA_70B = bundled_model_config("meta-llama/Llama-3.1-70B-Instruct")
 NATIVE_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
-def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None) -> tuple[ModelRunner, list[str]]:
+def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=None) -> tuple[ModelRunner, list[str]]:
     engine = EngineConfig.from_preset(preset)
     kernels = choose_kernels("auto", engine.matmul_impl, platform=platform, dtype=jnp.bfloat16, interpret=False,
-                             tensor_parallel_size=engine.tensor_parallel_size, mesh=mesh)
+                             kv_dtype=kv_dtype, tensor_parallel_size=engine.tensor_parallel_size, mesh=mesh)
     model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, kernels=kernels, rngs=None)  # abstract weights
     model.stack_layers()
     if mesh is not None:
         shard_abstract(model, mesh)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
     runner = ModelRunner(model, num_pages=16, page_size=engine.page_size, max_model_len=engine.max_model_len,
-                         buckets=engine.buckets(), eos_token_ids=(128009,), mesh=mesh)
+                         buckets=engine.buckets(), eos_token_ids=(128009,), mesh=mesh, kv_cache_dtype=kv_dtype)
     return runner, paths
 
 
@@ -66,6 +66,16 @@ def test_the_8b_step_exports_with_the_native_kernel(platform):
         assert "stablehlo.while" in text
         tokens, seqs = bucket
         assert [a.shape for a in exported.out_avals][-4:] == [(seqs,), (seqs,), (seqs, 20), (seqs, 20)]
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_float8_kv_cache_exports_with_the_native_kernel(platform, kv_dtype):
+    runner, _ = _runner(LLAMA_8B, "llama-3.1-8b-h100", platform, kv_dtype=kv_dtype)
+    assert runner.caches[0].dtype == kv_dtype
+    module = _export(runner, runner.buckets[1], platform).mlir_module()
+    assert NATIVE_CALL[platform] in module
+    assert ("f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2") in module  # the cache's element type
 
 
 def _arg_shardings(module: str) -> list[str]:
