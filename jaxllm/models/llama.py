@@ -19,7 +19,7 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.kernels import Kernels, attention_kernel, choose_kernels
+from jaxllm.kernels import Kernels, attention_kernel, choose_kernels, matmul_kernel
 from jaxllm.models.attention import Attention
 from jaxllm.models.layers import Embed, Linear, RMSNorm
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
@@ -72,7 +72,11 @@ class LlamaForCausalLM(nnx.Module):
         self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
 
     def set_kernels(self, kernels: Kernels) -> None:
-        """Uses `kernels` for attention and for every linear layer (and the tied LM head)."""
+        """Uses `kernels` for attention and for every linear layer (and the tied LM head). Loads them now: a CPU
+        kernel's FFI target must be registered before a step loaded from the executable cache runs (such a step
+        is never traced)."""
+        attention_kernel(kernels)
+        matmul_kernel(kernels)
         self.kernels = kernels
         for _, module in nnx.iter_modules(self):
             if isinstance(module, (Linear, Embed)):

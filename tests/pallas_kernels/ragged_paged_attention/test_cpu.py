@@ -86,6 +86,10 @@ def _lowered(dtype):
         m.query_start_loc).as_text()
 
 
-def test_float32_runs_the_custom_call_and_bfloat16_the_reference():
+def test_float32_runs_the_custom_call_and_bfloat16_is_refused():
+    """The kernel choice sends other cache dtypes to the reference (`jaxllm.kernels`); the kernel itself does not
+    fall back silently."""
     assert cpu.TARGET in _lowered(jnp.float32)
-    assert cpu.TARGET not in _lowered(jnp.bfloat16)
+    with pytest.raises(ValueError, match="reads float32 caches, not bfloat16"):
+        _lowered(jnp.bfloat16)
+    assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.bfloat16).attention == "reference"
