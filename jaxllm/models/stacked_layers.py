@@ -124,6 +124,10 @@ class StackedLayers(nnx.Module):
     def __len__(self) -> int:
         return self.num_layers
 
+    def __getitem__(self, index):
+        raise TypeError("the layers are stacked into one scanned module; call model.unstack_layers() to get (and "
+                        "edit) separate layers, and model.stack_layers() to stack them again")
+
     def scan(self, fn: Callable[[nnx.Module, jax.Array, Any, jax.Array], tuple[jax.Array, Any]], x: jax.Array,
              carry: Any) -> tuple[jax.Array, Any]:
         """Applies fn(layer, x, carry, index) -> (x, carry) for each layer in order, tracing fn once."""

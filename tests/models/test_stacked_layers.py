@@ -49,6 +49,8 @@ def test_unstacking_gives_back_the_layers():
     w = model.layers.layer.mlp.gate_up_proj.weight
     assert w[...].shape == (CFG.num_layers, 2 * CFG.intermediate_size, CFG.hidden_size)
     assert w.get_metadata()["axes"] == (LAYERS_AXIS, "mlp", "embed")  # the layer axis is never sharded
+    with pytest.raises(TypeError, match=r"call model.unstack_layers\(\)"):
+        model.layers[1]  # noqa: B018
     model.unstack_layers()
     assert not model.stacked and len(model.layers) == CFG.num_layers
     for got, want in zip(nnx.to_flat_state(nnx.state(model)), nnx.to_flat_state(nnx.state(original)), strict=True):
