@@ -17,12 +17,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def abstract_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
+                      dtype, sharding=None) -> tuple[jax.ShapeDtypeStruct, jax.ShapeDtypeStruct]:
+    """The shapes, dtype and placement `allocate_kv_cache` gives the K and V caches, allocating nothing."""
+    shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)  # [kv_heads, pages, page_size, head_dim]
+    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    one = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype), sharding=sharding)
+    return one, one
+
+
 def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_size: int, head_dim: int,
                       dtype, sharding=None) -> tuple[jax.Array, jax.Array]:
     """Zeroed K and V caches of `num_pages` pages for each of `num_layers` layers, placed by `sharding` (default:
     the first device)."""
-    shape = (num_kv_heads, num_layers * num_pages, page_size, head_dim)  # [kv_heads, pages, page_size, head_dim]
-    sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    spec, _ = abstract_kv_cache(num_layers, num_kv_heads, num_pages, page_size, head_dim, dtype, sharding)
+    shape, sharding = spec.shape, spec.sharding
     if all(d.platform == "cpu" for d in sharding.device_set):
         # Host memory: copying numpy's lazily zeroed pages (never written) is far faster than XLA writing the
         # zeros, and start-up waits for it (figures: ../shared/NOTES.md, "Start-up facts").

@@ -21,7 +21,7 @@ def test_the_smoke_run_passes_every_part(tmp_path):
     parity = parts["1 kernel parity"]["rows"]
     assert {r["dtype"] for r in parity} == {"float32", "bfloat16"} and all(r["ok"] for r in parity)
     assert any(r["kernel"] == "cpu" for r in parity)  # the native kernel of this platform was checked
-    agreement = parts["3 engine agreement (SmolLM2 bf16 vs CPU f32)"]
+    agreement = parts["3 engine agreement (SmolLM2 bfloat16 vs CPU float32)"]
     assert agreement["recompiles_while_running"] == 0 and agreement["prompts"] == 2
     roofline = parts["4 8B-shaped roofline"]
     assert roofline["recompiles_while_running"] == 0 and all(r["decode_tok_s"] > 0 for r in roofline["rows"])

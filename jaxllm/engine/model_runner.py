@@ -32,7 +32,7 @@ from jaxllm.engine.sequence import Sequence
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxllm.sharding import kv_cache_sharding
-from pallas_kernels.kv_cache import allocate_kv_cache
+from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 
 UINT32 = 1 << 32
 
@@ -101,9 +101,11 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         # Logit-bias slots per row: a request's own entries, plus its stop and EOS ids masked before min_tokens.
         self.bias_width = -(-(MAX_LOGIT_BIAS + MAX_STOP_TOKEN_IDS + len(eos_token_ids)) // 8) * 8
-        self.caches = allocate_kv_cache(cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
-                                        kv_cache_dtype or model.dtype,
-                                        kv_cache_sharding(mesh) if mesh is not None else None)
+        # The cache is allocated after the builds (see `caches`); builds lower against its shape alone.
+        cache_args = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim,
+                      kv_cache_dtype or model.dtype, kv_cache_sharding(mesh) if mesh is not None else None)
+        self._allocate = functools.partial(allocate_kv_cache, *cache_args)
+        self._caches: tuple[jax.Array, jax.Array] | None = None
         # Device-resident "nothing to do" inputs, reused so steps without penalties or biases transfer nothing.
         # (Built in numpy and put: jnp.full would compile a computation per shape at every start.)
         put = jax.device_put
@@ -114,7 +116,16 @@ class ModelRunner:
         # What a build lowers against: shapes, dtypes and shardings only (the caches are donated by every run, so
         # a build on another thread must not touch the arrays themselves).
         self._abstract_params = [_abstract(p) for p in self.params]
-        self._abstract_caches = jax.tree.map(_abstract, self.caches)
+        self._abstract_caches = abstract_kv_cache(*cache_args)
+
+    @property
+    def caches(self) -> tuple[jax.Array, jax.Array]:
+        """The K and V caches, allocated on first use: `warmup` builds every bucket first, because XLA's GPU
+        autotuner times a fusion on scratch buffers the size of its operands, the cache among them (an 8B model's
+        build asked for 18 GiB beside a 39 GB cache on an H100, and failed)."""
+        if self._caches is None:
+            self._caches = self._allocate()
+        return self._caches
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         for t, s in self.buckets:
@@ -187,15 +198,15 @@ class ModelRunner:
         finishes. Returns how each bucket was built, in bucket order."""
         workers = max_workers or min(len(self.buckets), os.cpu_count() or 1, 4)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-build") as pool:
-            futures = {pool.submit(self.build, b): b for b in self.buckets}
+            futures = [pool.submit(self.build, b) for b in self.buckets]
             with tqdm(total=len(futures), desc="building buckets", unit="bucket") as progress:
                 for future in concurrent.futures.as_completed(futures):
                     future.result()
-                    bucket = futures[future]
-                    start = time.perf_counter()
-                    self.execute(ScheduledStep([], []), bucket=bucket)
-                    self.builds[bucket].first_run_s = time.perf_counter() - start
                     progress.update()
+        for bucket in self.buckets:  # the cache is allocated by the first run, after every build (see `caches`)
+            start = time.perf_counter()
+            self.execute(ScheduledStep([], []), bucket=bucket)
+            self.builds[bucket].first_run_s = time.perf_counter() - start
         return [self.builds[b] for b in self.buckets]
 
     def _sampling_tensors(self, rows: list[Sequence], s: int) -> SamplingTensors:
@@ -252,7 +263,7 @@ class ModelRunner:
             start = time.perf_counter()
             run = self.build(bucket)
             self.build_wait_s += time.perf_counter() - start
-        self.caches, out = run(self.params, self.caches, *inputs)
+        self._caches, out = run(self.params, self.caches, *inputs)
         tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
         if self._unsaved:
             self._save_after_first_run(bucket, run)

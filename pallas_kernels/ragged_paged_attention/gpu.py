@@ -33,7 +33,13 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref,
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
     page_size = k_ref.shape[1]
-    q = q_ref[...].astype(jnp.float32) * sm_scale  # [rows, D]
+    # bf16/f16 caches: both products on the tensor cores in that type, accumulated in float32 (the usual flash
+    # attention recipe); float32 caches: IEEE float32 products (Triton's default would be TF32, ~1e-3 relative).
+    # Narrower caches (fp8) are widened to bfloat16.
+    cdt = k_ref.dtype if k_ref.dtype in (jnp.bfloat16, jnp.float16) else (
+        jnp.float32 if k_ref.dtype == jnp.float32 else jnp.bfloat16)
+    precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
+    q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(cdt)  # [rows, D]
     tok = b * block_q + jnp.arange(rows, dtype=jnp.int32) // group  # [rows]
 
     def seq_body(s, carry):
@@ -53,9 +59,10 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref,
         def page_body(j, carry):
             m, denom, acc = carry
             page = tables_ref[s * max_pages + j]
-            k = k_ref[page].astype(jnp.float32)  # [page_size, D]
-            v = v_ref[page].astype(jnp.float32)
-            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            k = k_ref[page].astype(cdt)  # [page_size, D]
+            v = v_ref[page].astype(cdt)
+            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)
             if soft_cap is not None:
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             k_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
@@ -67,7 +74,8 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref,
             p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)
             alpha = jnp.exp(m - m_new)
             denom = denom * alpha + p.sum(axis=1)
-            acc = acc * alpha[:, None] + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+            acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
+                                                             precision=precision,
                                                              preferred_element_type=jnp.float32)
             return m_new, denom, acc
 
