@@ -8,6 +8,7 @@ Every entry point (the Python API, the CLI, HTTP) builds one of these, so they a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 from typing import Any
@@ -79,6 +80,65 @@ def check_text(param: str, value: Any) -> str:
     return value
 
 
+MAX_GRAMMAR_CHARS = 200_000  # a schema, regex or grammar's text
+MAX_CHOICES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One constraint on the generated text (vLLM's `structured_outputs`): a JSON schema (`json`, a dict or its
+    text), any JSON object (`json_object`), a regular expression, one of a list of strings (`choice`), or a Lark or
+    GBNF grammar. Checked here for shape; the constraint itself is compiled (and refused with llguidance's message)
+    by the engine, which has the tokenizer."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        if self.json_object not in (True, False):
+            _fail("structured_outputs.json_object", "must be true or false", self.json_object)
+        if len(given) != 1:
+            _fail("structured_outputs", f"must set exactly one of json, regex, choice, grammar, json_object; "
+                  f"got {given or 'none'}")
+        if self.json is not None:
+            if not isinstance(self.json, dict | str):
+                _fail("structured_outputs.json", "must be a JSON schema (an object, or its text)", self.json)
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            if len(text) > MAX_GRAMMAR_CHARS:
+                _fail("structured_outputs.json", f"must be at most {MAX_GRAMMAR_CHARS} characters")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                check_text(f"structured_outputs.{name}", value)
+                if not value.strip() or len(value) > MAX_GRAMMAR_CHARS:
+                    _fail(f"structured_outputs.{name}", f"must have 1 to {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None:
+            if not isinstance(self.choice, list | tuple) or not self.choice or len(self.choice) > MAX_CHOICES:
+                _fail("structured_outputs.choice", f"must be a list of 1 to {MAX_CHOICES} strings", self.choice)
+            for c in self.choice:
+                check_text("structured_outputs.choice", c)
+            if sum(len(c) for c in self.choice) > MAX_GRAMMAR_CHARS:
+                _fail("structured_outputs.choice", f"must have at most {MAX_GRAMMAR_CHARS} characters in all")
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @classmethod
+    def of(cls, value: Any) -> StructuredOutputsParams:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            _fail("structured_outputs", "must be an object", value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in value if k not in known]
+        if unknown:
+            _fail("structured_outputs", f"has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -99,9 +159,12 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled token's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None  # or a dict of its fields
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        if self.structured_outputs is not None:
+            put(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
         put(self, "n", check_int("n", self.n, 1, MAX_INT))
         put(self, "temperature", check_float("temperature", self.temperature, 0, MAX_TEMPERATURE))
         put(self, "top_p", check_float("top_p", self.top_p, 0, 1, lo_open=True))

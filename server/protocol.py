@@ -25,6 +25,8 @@ from jaxllm.sampling_params import (
     SEED_MAX,
     SEED_MIN,
     SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
 )
 
 Count = Annotated[int, Field(ge=1, le=MAX_INT)]
@@ -41,6 +43,37 @@ class _Model(BaseModel):
 
 class StreamOptions(_Model):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that validates against a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format: type 'json_schema' needs 'json_schema'")
+        return self
+
+
+class StructuredOutputs(_Model):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a list of choices, a Lark or GBNF
+    grammar, or any JSON object."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Model):
@@ -70,6 +103,8 @@ class _Sampling(_Model):
     include_stop_str_in_output: bool = False
     cache_salt: Annotated[str, Field(min_length=1, max_length=1024)] | None = Field(
         default=None, description="Requests with different salts never share prefix-cache pages (one per tenant).")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -80,6 +115,23 @@ class _Sampling(_Model):
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The output constraint of `structured_outputs` or `response_format` (raises SamplingParamsError)."""
+        fmt = self.response_format if self.response_format and self.response_format.type != "text" else None
+        if self.structured_outputs is not None:
+            if fmt is not None:
+                raise SamplingParamsError("set structured_outputs or response_format, not both",
+                                          "structured_outputs")
+            so = self.structured_outputs
+            return StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                           json_object=bool(so.json_object))
+        if fmt is None:
+            return None
+        if fmt.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        schema = fmt.json_schema.schema_
+        return StructuredOutputsParams(json=schema if schema is not None else {"type": "object"})
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises SamplingParamsError (a 400 naming the parameter)."""
         return SamplingParams(
@@ -89,7 +141,8 @@ class _Sampling(_Model):
             repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stops(),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output)
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.constraint())
 
 
 class CompletionRequest(_Sampling):
@@ -176,7 +229,6 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     max_completion_tokens: Count | None = None
     max_tokens: Count | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM extras
@@ -190,8 +242,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("top_logprobs: requires logprobs to be true")
         if self.tools:
             raise ValueError("tools: tool calling is not supported by this server")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format: only {'type': 'text'} is supported")
         reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
         if reserved:
             raise ValueError(f"chat_template_kwargs: {sorted(reserved)} are set by the server")

@@ -3,6 +3,7 @@ scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -23,6 +24,7 @@ from jaxllm.engine.model_runner import ModelRunner, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
 from jaxllm.engine.startup import StartupReport
+from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
@@ -179,7 +181,17 @@ class LLMEngine:
             if not isinstance(params, SamplingParams):
                 raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
             params.verify(self.limits, len(ids))
+            if params.structured_outputs is not None:
+                self.grammars.matcher(params.structured_outputs)  # compiled (and cached) now: a bad one is refused
         return text, ids
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The compiled structured-output grammars of this engine's tokenizer (built on first use)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine has none",
+                                      "structured_outputs")
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
 
     def check_text_fits(self, text: str) -> None:
         """Refuses, without tokenizing it, a text too long to fit in the context whatever it tokenizes to (each
@@ -207,7 +219,10 @@ class LLMEngine:
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output)
-            request.seqs.append(Sequence(request, i, detok))
+            seq = Sequence(request, i, detok)
+            if params.structured_outputs is not None:
+                seq.matcher = self.grammars.matcher(params.structured_outputs)  # each choice its own
+            request.seqs.append(seq)
         self.requests[request_id] = request
         self.prompt_tokens_total += len(ids)
         for seq in request.seqs:
@@ -274,6 +289,12 @@ class LLMEngine:
             seq.logprobs.append(entry)
         stop_str = seq.detokenizer.add_token(token)
         done = seq.num_output_tokens >= p.min_tokens
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(f"the grammar refused a token its own mask allowed: {seq.matcher.get_error()}")
+            if seq.matcher.is_stopped():  # the grammar is complete (or EOS ended it): nothing more may follow
+                self._finish(seq, "stop", None)
+                return
         if done and not p.ignore_eos and token in self.eos_token_ids:
             self._finish(seq, "stop", None)
         elif done and token in p.stop_token_ids:

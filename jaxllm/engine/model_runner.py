@@ -11,6 +11,7 @@ start-up, not in a request."""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -29,6 +30,7 @@ from jaxllm.engine.executable_cache import ExecutableCache, step_key
 from jaxllm.engine.sampler import SamplingTensors, sample
 from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Sequence
+from jaxllm.engine.structured_output import bitmask_width, fill_bitmask
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from jaxllm.sharding import kv_cache_sharding
@@ -113,6 +115,9 @@ class ModelRunner:
         w = self.bias_width
         self._no_bias = {s: (put(np.full((s, w), -1, np.int32)), put(np.zeros((s, w), np.float32)))
                          for _, s in self.buckets}
+        self.mask_width = bitmask_width(cfg.vocab_size)
+        self._no_mask = {s: put(np.full((s, self.mask_width), -1, np.int32)) for _, s in self.buckets}
+        self.mask_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # grammar mask fills (host)
         # What a build lowers against: shapes, dtypes and shardings only (the caches are donated by every run, so
         # a build on another thread must not touch the arrays themselves).
         self._abstract_params = [_abstract(p) for p in self.params]
@@ -251,9 +256,17 @@ class ModelRunner:
                 bias_values[i, :len(entries)] = list(entries.values())
         else:
             bias_ids, bias_values = self._no_bias[s]
+        constrained = [(seq.matcher, i) for i, seq in enumerate(rows) if seq.matcher is not None]
+        if constrained:
+            start = time.perf_counter()
+            mask = np.full((s, self.mask_width), -1, np.int32)
+            fill_bitmask(constrained, mask)
+            self.mask_seconds.append(time.perf_counter() - start)
+        else:
+            mask = self._no_mask[s]
         return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, choices, steps, bias_ids,
                                bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
-                               np.bool_(any_random), np.bool_(any_logprobs))
+                               np.bool_(any_random), np.bool_(any_logprobs), mask, np.bool_(bool(constrained)))
 
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
         bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))

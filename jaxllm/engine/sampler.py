@@ -5,7 +5,8 @@ penalty (prompt and output tokens) -> frequency and presence penalties (output t
 temperature -> top-k -> top-p -> min-p -> a Gumbel-max draw with the row's own key. The key folds in the
 request's 64-bit seed, the choice index and the index of the token being sampled (each its own fold, so
 keys never repeat whatever n is): a seeded request gets the same tokens whatever else is in the batch.
-Logprobs are those of the raw model distribution (vLLM's default).
+Logprobs are those of the raw model distribution (vLLM's default), after a structured-output mask (which comes
+first: a token the grammar forbids has probability 0 everywhere).
 Filtering needs a sort of the vocabulary and penalties a scatter over the sequence's tokens; both run only
 in steps where some row asks for them.
 """
@@ -41,6 +42,16 @@ class SamplingTensors:
     any_penalty: jax.Array  # [] bool
     any_random: jax.Array  # [] bool: some row samples (is not greedy)
     any_logprobs: jax.Array  # [] bool: some row asked for logprobs
+    token_mask: jax.Array  # [S, ceil(V / 32)] i32: bit j % 32 of word j // 32 allows token j (all ones: free)
+    any_mask: jax.Array  # [] bool: some row is constrained
+
+
+def _apply_mask(logits, t: SamplingTensors):
+    s, v = logits.shape
+    token = jnp.arange(v, dtype=jnp.int32)
+    words = jnp.take(t.token_mask, token // 32, axis=1, mode="fill", fill_value=-1)  # [S, V]: each token's word
+    bits = (words >> (token % 32)[None, :]) & 1
+    return jnp.where(bits != 0, logits, -jnp.inf)
 
 
 def _apply_penalties(logits, t: SamplingTensors):
@@ -114,6 +125,8 @@ def sample(logits: jax.Array, t: SamplingTensors):
     Logprobs are zeros unless some row asked for them; the random draw and the filters run only when some
     row samples, penalties only when some row has them (so a greedy batch pays for one argmax)."""
     s, v = logits.shape
+    # the grammar's mask first: greedy, sampling, penalties and logprobs all see the constrained distribution
+    logits = jax.lax.cond(t.any_mask, _apply_mask, lambda x, _: x, logits, t)
     raw = logits
     rows = jnp.arange(s)[:, None]
     logits = logits.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, v)].add(t.bias_values, mode="drop")

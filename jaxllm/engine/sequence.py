@@ -38,6 +38,7 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.detokenizer = detokenizer
         self.num_preemptions = 0
+        self.matcher = None  # llguidance.LLMatcher of a constrained sequence: advanced by each token it gets
 
     @property
     def params(self) -> SamplingParams:

@@ -12,7 +12,7 @@ V = 12
 
 
 def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, freq=0.0, pres=0.0, seeds=None,
-            steps=None, history=None, num_prompt=None, bias=None, choices=None):
+            steps=None, history=None, num_prompt=None, bias=None, choices=None, mask=None):
     full = lambda v, dt: jnp.full((rows,), v, dt)  # noqa: E731
     hist = jnp.full((rows, 1), -1, jnp.int32) if history is None else jnp.asarray(history, jnp.int32)
     bias_ids = jnp.full((rows, 4), -1, jnp.int32)
@@ -28,7 +28,9 @@ def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, fr
         jnp.asarray(steps if steps is not None else np.arange(rows), jnp.int32), bias_ids, bias_values, hist,
         jnp.asarray(num_prompt if num_prompt is not None else np.zeros(rows), jnp.int32),
         jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
-        jnp.bool_(temperature > 0), jnp.bool_(True))
+        jnp.bool_(temperature > 0), jnp.bool_(True),
+        jnp.full((rows, 1 if mask is None else mask.shape[1]), -1, jnp.int32) if mask is None else jnp.asarray(mask),
+        jnp.bool_(mask is not None))
 
 
 def seed_words(seeds):
@@ -128,3 +130,28 @@ def test_blocked_argmax_equals_argmax_ties_included(vocab):
     x[0, :] = -np.inf
     x[1, -1] = 100.0  # the maximum in the last (partial) block
     np.testing.assert_array_equal(np.asarray(argmax_last(jnp.asarray(x), block=1024)), np.argmax(x, axis=-1))
+
+
+def _bitmask(allowed_rows, vocab):
+    words = np.zeros((len(allowed_rows), (vocab + 31) // 32), np.uint32)
+    for r, allowed in enumerate(allowed_rows):
+        for t in allowed:
+            words[r, t // 32] |= np.uint32(1) << np.uint32(t % 32)
+    return words.view(np.int32)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_token_mask_is_applied_before_sampling_and_logprobs(temperature):
+    vocab = 70  # three mask words, the last one partial
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(3, vocab)), jnp.float32)
+    allowed = [[3, 40], [69], list(range(vocab))]  # the last row is unconstrained (all ones)
+    t = tensors(3, temperature=temperature, mask=_bitmask(allowed, vocab))
+    tokens, logprobs, top_ids, top_lps = sample(logits, t)
+    assert int(tokens[0]) in (3, 40) and int(tokens[1]) == 69
+    assert float(logprobs[1]) == pytest.approx(0.0, abs=1e-6)  # the only allowed token: probability 1
+    row0 = dict(zip(np.asarray(top_ids[0]).tolist(), np.asarray(top_lps[0]).tolist(), strict=True))
+    assert np.exp(row0[3]) + np.exp(row0[40]) == pytest.approx(1.0, abs=1e-5)
+    assert all(lp == -np.inf for tid, lp in row0.items() if tid not in (3, 40))
+    free = sample(logits[2:], tensors(1, temperature=temperature, seeds=[0], steps=[2]))
+    assert int(tokens[2]) == int(free[0][0])  # an all-ones row is untouched
