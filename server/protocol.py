@@ -61,7 +61,7 @@ class ResponseFormat(_Model):
     @model_validator(mode="after")
     def _check(self):
         if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format: type 'json_schema' needs 'json_schema'")
+            raise ValueError("type 'json_schema' needs 'json_schema'")
         return self
 
 

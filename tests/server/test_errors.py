@@ -51,6 +51,21 @@ SAMPLING = [
     ("stream_options without stream", {"stream_options": {"include_usage": True}}, "stream_options"),
     ("an integer of 5000 digits", ', "max_tokens": ' + BIG_INT, None),
     ("model name of 300 characters", {"model": "m" * 300}, "model"),
+    ("an invalid JSON schema", {"structured_outputs": {"json": {"type": "objectx"}}}, "structured_outputs"),
+    ("a schema that is not JSON", {"structured_outputs": {"json": "{nope"}}, "structured_outputs"),
+    ("an unparsable Lark grammar", {"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+    ("a GBNF grammar with an undefined rule", {"structured_outputs": {"grammar": "root ::= nothing"}},
+     "structured_outputs"),
+    ("an unclosed regex group", {"structured_outputs": {"regex": "(("}}, "structured_outputs"),
+    ("two constraints at once", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ("an empty choice list", {"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ("structured_outputs and response_format", {"structured_outputs": {"regex": "a"},
+                                                "response_format": {"type": "json_object"}}, "structured_outputs"),
+    ("response_format json_schema without a schema object", {"response_format": {"type": "json_schema"}},
+     "response_format"),
+    ("response_format of an unknown type", {"response_format": {"type": "xml"}}, "response_format.type"),
+    ("response_format with an invalid schema", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}}, "structured_outputs"),
 ]
 CHAT_ONLY = [
     ("top_logprobs 21", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -73,7 +88,6 @@ CHAT_ONLY = [
     ("chat_template_kwargs overriding the server", {"chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
     ("tools", {"tools": [{"type": "function"}]}, "tools"),
-    ("response_format json_schema", {"response_format": {"type": "json_schema"}}, "response_format"),
 ]
 COMPLETION_ONLY = [
     ("logprobs 21", {"logprobs": 21}, "logprobs"),
