@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
@@ -65,6 +67,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="token ids that end a choice")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     s.add_argument("--logprobs", type=int, help="print the top-N logprobs of each generated token")
+    o = p.add_argument_group("structured outputs (one of; vLLM's structured_outputs)")
+    o.add_argument("--json-schema", help="a JSON schema, or @file.json: the answer is JSON that validates")
+    o.add_argument("--json-object", action="store_true", help="the answer is a JSON object")
+    o.add_argument("--regex", help="the answer matches this regular expression")
+    o.add_argument("--choice", action="append", help="the answer is one of these strings (repeatable)")
+    o.add_argument("--grammar", help="a Lark or GBNF grammar, or @file: the answer is in its language")
     return p.parse_args(argv)
 
 
@@ -81,6 +89,27 @@ def _engine_config(args: argparse.Namespace, num_sequences: int) -> EngineConfig
     return config
 
 
+def _text_or_file(value: str, param: str) -> str:
+    try:
+        return Path(value[1:]).read_text() if value.startswith("@") else value
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read {value[1:]}: {e.strerror}", param) from None
+
+
+def _constraint(args) -> dict | None:
+    schema = None
+    if args.json_schema:
+        try:
+            schema = json.loads(_text_or_file(args.json_schema, "json_schema"))
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"--json-schema is not JSON: {e}", "json_schema") from None
+    grammar = args.grammar and _text_or_file(args.grammar, "grammar")
+    given = {"json": schema, "regex": args.regex, "choice": args.choice, "grammar": grammar,
+             "json_object": args.json_object or None}
+    given = {k: v for k, v in given.items() if v is not None}
+    return given or None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -94,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
             repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
             min_tokens=args.min_tokens, stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_ids),
-            ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+            ignore_eos=args.ignore_eos, logprobs=args.logprobs, structured_outputs=_constraint(args))
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -50,3 +50,21 @@ def test_prompts_from_stdin_and_bad_options(tmp_path):
     assert r.stdout.count("[") >= 2 and "generated tokens: 6" in r.stderr
     bad = run("hi", "--temperature", "-1")
     assert bad.returncode == 2 and "temperature" in bad.stderr
+
+
+def test_structured_output_options(tmp_path):
+    sizes = ("--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--num-pages", "64", "--max-model-len", "256",
+             "--max-tokens", "64")
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, '
+                      '"required": ["city"], "additionalProperties": false}')
+    r = run("Where is the Eiffel tower?", "--json-schema", f"@{schema}", "--temperature", "1", "--seed", "3",
+            *sizes, cache=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert re.fullmatch(r'\{"city": "[^"]{0,12}"\}\n*', r.stdout), r.stdout
+    r = run("Is Paris in France?", "--choice", "yes", "--choice", "no", *sizes, cache=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() in ("yes", "no"), r.stdout + r.stderr
+    bad = run("hi", "--regex", "((", *sizes, cache=tmp_path)
+    assert bad.returncode == 2 and "unclosed group" in bad.stderr
+    bad = run("hi", "--json-schema", "{not json")
+    assert bad.returncode == 2 and "--json-schema is not JSON" in bad.stderr

@@ -9,12 +9,12 @@ import jsonschema
 import numpy as np
 import pytest
 
+from benchmarks.structured_cases import MODELS, PROMPTS
 from jaxllm import SamplingParams
 from jaxllm.engine import compile_monitor
 from jaxllm.engine.structured_output import StructuredOutputError
 from jaxllm.errors import InvalidRequestError
 from jaxllm.sampling_params import StructuredOutputsParams
-from tests.structured_cases import MODELS, PROMPTS
 
 pytestmark = pytest.mark.slow
 

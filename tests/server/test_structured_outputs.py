@@ -7,7 +7,7 @@ import re
 import jsonschema
 import pytest
 
-from tests.structured_cases import MODELS, PROMPTS
+from benchmarks.structured_cases import MODELS, PROMPTS
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
-"""Ten output schemas (pydantic models, as clients write them) for the structured-output tests: nested objects,
-bounded arrays, enums, numbers with ranges, optional fields, $defs/$ref. Strings and arrays are bounded so a
-sampled answer always fits its max_tokens."""
+"""Ten output schemas (pydantic models, as clients write them) for the structured-output tests and benchmark:
+nested objects, bounded arrays, enums, numbers with ranges, optional fields, $defs/$ref. Strings and arrays are
+bounded so a sampled answer always fits its max_tokens."""
 
 from __future__ import annotations
 
