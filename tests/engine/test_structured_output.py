@@ -144,3 +144,21 @@ def test_malformed_structured_outputs_params_are_refused(spec):
 def test_params_object_and_dict_are_the_same():
     assert SamplingParams(structured_outputs={"choice": ["a"]}) == \
         SamplingParams(structured_outputs=StructuredOutputsParams(choice=("a",)))
+
+
+def test_matchers_survive_preemption_and_prefix_cache_hits(compile_cache_dir, smollm2_llm):
+    from jaxllm import LLM
+    from tests.conftest import ENGINE_OPTIONS
+
+    schema = MODELS[7].model_json_schema()  # Team: the longest answers
+    prompts = [chat(smollm2_llm, f"Describe team number {i} in JSON.") for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=200, structured_outputs={"json": schema})
+    roomy = [o.outputs[0].text for o in smollm2_llm.generate(prompts, params, use_tqdm=False)]
+    again = smollm2_llm.generate(prompts[:2], params, use_tqdm=False)  # the prompts now hit the prefix cache
+    assert all(o.num_cached_tokens > 0 for o in again) and [o.outputs[0].text for o in again] == roomy[:2]
+    tight = LLM(compilation_cache_dir=compile_cache_dir, **{**ENGINE_OPTIONS, "num_pages": 24})
+    outs = [o.outputs[0].text for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert outs == roomy  # a preempted sequence's matcher kept its state through the recomputation
+    for text in outs:
+        jsonschema.validate(json.loads(text), schema)
