@@ -34,6 +34,8 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     if engine is None:
         logger.info("starting the engine: %s", settings.engine)
         engine = LLMEngine(settings.engine)
+    if settings.chat_template is not None and engine.tokenizer is not None:
+        engine.tokenizer.set_chat_template(settings.chat_template)  # before any request: one writer
     app = Flask("jaxllm")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False

@@ -10,10 +10,12 @@ from collections.abc import Callable, Iterator
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
+from jaxllm.tools.parsers import parser_for_template, tool_parser
 from server.bridge import offload
 from server.disconnect import client_gone
 from server.errors import ERROR_TYPES, APIError
@@ -21,6 +23,8 @@ from server.generation import ClientGone, Generation
 from server.parsing import invalid, parse
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
+from server.tool_calls import ChoiceStream, tool_mode
+from server.tool_calls import message as tool_message
 
 bp = Blueprint("openai", __name__)
 access_log = logging.getLogger("jaxllm.access")
@@ -56,8 +60,9 @@ def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
     """Renders the chat template and tokenizes it; refuses a rendering too long to fit before tokenizing it.
     Runs on a worker thread: no Flask context here."""
     messages = [m.as_template_input() for m in req.messages]
+    tools = {"tools": req.tool_definitions()} if req.uses_tools() else {}
     text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                                **(req.chat_template_kwargs or {}))
+                                                **(req.chat_template_kwargs or {}), **tools)
     engine.check_text_fits(text)
     return engine.tokenizer.encode(text, add_special_tokens=False)
 
@@ -191,9 +196,18 @@ def chat_completions():
     st = state()
     tok = st.engine.tokenizer
     top_n = req.top_logprobs or 0
-    params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
     if tok is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
+    for t in req.tools or ():
+        if t.function.parameters is not None and (error := schema_error(t.function.parameters)):
+            raise APIError(400, f"tools: the parameters of {t.function.name!r} are not a valid JSON schema: {error}",
+                           param="tools")
+    params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
+    mode = tool_mode(req)
+    parser = None
+    if mode == "auto":
+        parser = tool_parser(st.settings.tool_call_parser or parser_for_template(
+            tok.chat_template.source if tok.chat_template else None))
     try:
         ids = offload(req.text_chars(), chat_prompt_ids, st.engine, req)
     except PromptTooLongError as e:
@@ -205,9 +219,13 @@ def chat_completions():
 
     if not req.stream:
         (out,) = gen.wait()
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
+        choices = []
+        for c in out.outputs:
+            msg, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) if mode is None else \
+                tool_message(mode, req, parser, c.text, c.finish_reason)
+            choices.append({"index": c.index, "message": msg,
+                            "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
+                            "finish_reason": finish, "stop_reason": c.stop_reason})
         log_request(gen)
         return jsonify({"id": cid, "object": "chat.completion", "created": created, "model": model,
                         "choices": choices, "usage": gen.usage})
@@ -225,6 +243,7 @@ def chat_completions():
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
+        tool_streams = {c: ChoiceStream(mode, req, parser) for c in range(req.n)} if mode else {}
         for c in range(req.n):
             yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
@@ -239,8 +258,19 @@ def chat_completions():
                 sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
                 if c.finished():
                     finished.add(c.index)
-                yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                if mode is None:
+                    yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    continue
+                deltas, called = tool_streams[c.index].deltas(c.text, c.finished(), c.finish_reason == "stop")
+                finish = c.finish_reason
+                if c.finished() and called and finish == "stop":
+                    finish = "tool_calls"
+                for i, d in enumerate(deltas or [{}]):
+                    last = i == max(len(deltas), 1) - 1
+                    yield chunk([{"index": c.index, "delta": d, "logprobs": lp if last else None,
+                                  "finish_reason": finish if last else None,
+                                  "stop_reason": c.stop_reason if last else None}])
         if include_usage:
             yield chunk([], gen.usage)
 

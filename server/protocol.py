@@ -9,6 +9,7 @@ server's OpenAPI document (server/openapi.py).
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -28,6 +29,7 @@ from jaxllm.sampling_params import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
+from jaxllm.tools.choice import named_schema, required_schema
 
 Count = Annotated[int, Field(ge=1, le=MAX_INT)]
 Name = Annotated[str, Field(max_length=256)]
@@ -201,17 +203,68 @@ class ContentPart(_Model):
         return self
 
 
+class FunctionCall(_Model):
+    name: Name
+    arguments: Annotated[str, Field(max_length=1_000_000)]
+
+
+class ToolCallIn(_Model):
+    id: Annotated[str, Field(max_length=256)]
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Model):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    description: Annotated[str, Field(max_length=100_000)] | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: Name
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: Name | None = None
+    tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None  # assistant messages
+    tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool messages
 
     def as_template_input(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
+        if self.tool_calls:
+            # templates read arguments as an object (Llama 3.1's `| tojson`) or accept either (Qwen's)
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 def message_chars(messages: list[ChatMessage]) -> int:
@@ -220,7 +273,7 @@ def message_chars(messages: list[ChatMessage]) -> int:
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:
-    if not any(m.as_template_input()["content"].strip() for m in messages):
+    if not any(m.as_template_input()["content"].strip() or m.tool_calls for m in messages):
         raise ValueError("messages: every message is empty or whitespace")
 
 
@@ -229,7 +282,9 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     max_completion_tokens: Count | None = None
     max_tokens: Count | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
@@ -240,8 +295,18 @@ class ChatCompletionRequest(_Sampling):
         _check_messages(self.messages)
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported by this server")
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: names the function {choice.function.name!r}, which is not among tools")
+        if choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        if self.forced_tool_call() and (self.structured_outputs is not None or (
+                self.response_format is not None and self.response_format.type != "text")):
+            raise ValueError("tool_choice: a required or named tool call cannot be combined with response_format "
+                             "or structured_outputs")
         reserved = RESERVED_TEMPLATE_KWARGS & set(self.chat_template_kwargs or ())
         if reserved:
             raise ValueError(f"chat_template_kwargs: {sorted(reserved)} are set by the server")
@@ -249,6 +314,24 @@ class ChatCompletionRequest(_Sampling):
 
     def text_chars(self) -> int:
         return message_chars(self.messages)
+
+    def uses_tools(self) -> bool:
+        """Whether the tools are rendered and the answer read for calls (not with tool_choice "none")."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def forced_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def tool_definitions(self) -> list[dict[str, Any]]:
+        return [t.model_dump(exclude_none=True) for t in self.tools or ()]
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if not self.forced_tool_call():
+            return super().constraint()
+        tools = {t.function.name: t.function.parameters for t in self.tools}
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return StructuredOutputsParams(json=named_schema(tools[self.tool_choice.function.name]))
+        return StructuredOutputsParams(json=required_schema(list(tools.items()), self.parallel_tool_calls))
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

@@ -6,15 +6,19 @@ JAXLLM_KV_CACHE_DTYPE, JAXLLM_TENSOR_PARALLEL_SIZE, JAXLLM_MAX_NUM_SEQS, JAXLLM_
 JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL,
 JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N
 (most choices per request, default 16), JAXLLM_ALLOWED_ORIGINS (comma-separated origins allowed by CORS, or *;
-default: CORS off). TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
+default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing the model's, as vLLM's
+--chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template).
+TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig
+from jaxllm.tools.parsers import TOOL_PARSERS
 
 _ENGINE_ENV = {
     "model": str, "served_model_name": str, "max_model_len": int, "num_pages": int, "kv_memory_fraction": float,
@@ -31,6 +35,8 @@ class ServerSettings:
     max_body_bytes: int = 10 * 2**20
     drain_timeout_s: float = 30.0
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
+    chat_template: str | None = None  # a template's source, replacing the model's
+    tool_call_parser: str | None = None  # None: chosen from the chat template
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -41,8 +47,14 @@ class ServerSettings:
             if value not in (None, ""):
                 overrides[name] = kind(value)
         engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", "smollm2-cpu"), **overrides)
+        template_path = env.get("JAXLLM_CHAT_TEMPLATE") or None
+        parser = env.get("JAXLLM_TOOL_CALL_PARSER") or None
+        if parser is not None and parser not in TOOL_PARSERS:
+            raise ValueError(f"JAXLLM_TOOL_CALL_PARSER={parser!r}: known parsers are {sorted(TOOL_PARSERS)}")
         return cls(engine=engine, api_key=env.get("JAXLLM_API_KEY") or None,
                    max_body_bytes=int(env.get("JAXLLM_MAX_BODY_BYTES", 10 * 2**20)),
                    drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)),
                    allowed_origins=tuple(o.strip() for o in env.get("JAXLLM_ALLOWED_ORIGINS", "").split(",")
-                                         if o.strip()))
+                                         if o.strip()),
+                   chat_template=Path(template_path).read_text() if template_path else None,
+                   tool_call_parser=parser)

@@ -59,6 +59,16 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         raise StructuredOutputError(f"invalid grammar: {e}", "structured_outputs") from None
 
 
+def schema_error(schema) -> str | None:
+    """llguidance's complaint about a JSON schema, or None when it compiles (no tokenizer needed)."""
+    try:
+        grammar = grammar_text(StructuredOutputsParams(json=schema))
+    except InvalidRequestError as e:
+        return str(e)
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    return messages[0] if is_error else None
+
+
 class GrammarCompiler:
     """Compiled grammars for one tokenizer, thread-safe (requests are validated on server threads)."""
 

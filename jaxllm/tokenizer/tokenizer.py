@@ -49,6 +49,12 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
+    def set_chat_template(self, source: str) -> None:
+        """Replaces the model's chat template (e.g. with one that renders tools)."""
+        bos = self.backend.id_to_token(self.bos_token_id) if self.bos_token_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else ""
+        self.chat_template = ChatTemplate(source, bos_token=bos or "", eos_token=eos or "")
+
     def apply_chat_template(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                             tokenize: bool = False, **kwargs: Any) -> str | list[int]:
         if self.chat_template is None:

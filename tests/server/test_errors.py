@@ -87,7 +87,16 @@ CHAT_ONLY = [
      "messages"),
     ("chat_template_kwargs overriding the server", {"chat_template_kwargs": {"tokenize": False}},
      "chat_template_kwargs"),
-    ("tools", {"tools": [{"type": "function"}]}, "tools"),
+    ("a tool without its function", {"tools": [{"type": "function"}]}, "tools.0.function"),
+    ("tool_choice naming a missing tool", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                           "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ("tool_choice required without tools", {"tool_choice": "required"}, "tool_choice"),
+    ("tool parameters that are no JSON schema", {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, "tools"),
+    ("two tools of one name", {"tools": [{"type": "function", "function": {"name": "f"}}] * 2}, "tools"),
+    ("a tool name with spaces", {"tools": [{"type": "function", "function": {"name": "f g"}}]},
+     "tools.0.function.name"),
 ]
 COMPLETION_ONLY = [
     ("logprobs 21", {"logprobs": 21}, "logprobs"),
