@@ -13,6 +13,7 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.reasoning import reasoning_parser
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
 from jaxllm.tools.parsers import parser_for_template, tool_parser
@@ -204,6 +205,7 @@ def chat_completions():
                            param="tools")
     params = sampling_params(req, req.max_new_tokens(), top_n if req.logprobs else None)
     mode = tool_mode(req)
+    thinking = reasoning_parser(st.settings.reasoning_parser) if st.settings.reasoning_parser else None
     parser = None
     if mode == "auto":
         parser = tool_parser(st.settings.tool_call_parser or parser_for_template(
@@ -221,8 +223,12 @@ def chat_completions():
         (out,) = gen.wait()
         choices = []
         for c in out.outputs:
-            msg, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) if mode is None else \
-                tool_message(mode, req, parser, c.text, c.finish_reason)
+            split = thinking.split(c.text, True) if thinking else None
+            text = split.content if split else c.text
+            msg, finish = ({"role": "assistant", "content": text}, c.finish_reason) if mode is None else \
+                tool_message(mode, req, parser, text, c.finish_reason)
+            if split:
+                msg["reasoning_content"] = split.reasoning or None
             choices.append({"index": c.index, "message": msg,
                             "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
@@ -241,6 +247,7 @@ def chat_completions():
 
     def events():
         sent_text: dict[int, int] = {}
+        sent_reasoning: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
         tool_streams = {c: ChoiceStream(mode, req, parser) for c in range(req.n)} if mode else {}
@@ -251,18 +258,28 @@ def chat_completions():
             for c in out.outputs:
                 if c.index in finished:
                     continue
-                delta = c.text[sent_text.get(c.index, 0):]
-                if not delta and not c.finished():
+                split = thinking.split(c.text, c.finished()) if thinking else None
+                text = split.content if split else c.text
+                reasoning = split.reasoning[sent_reasoning.get(c.index, 0):] if split else ""
+                delta = text[sent_text.get(c.index, 0):]
+                if not delta and not reasoning and not c.finished():
                     continue
                 lp = _chat_logprobs(c, sent_tokens.get(c.index, 0), top_n) if req.logprobs else None
-                sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                sent_text[c.index], sent_tokens[c.index] = len(text), len(c.token_ids)
+                sent_reasoning[c.index] = len(split.reasoning) if split else 0
                 if c.finished():
                     finished.add(c.index)
+                if reasoning:
+                    alone = mode is None and not (delta or c.finished())  # no content chunk follows
+                    yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning},
+                                  "logprobs": lp if alone else None, "finish_reason": None}])
                 if mode is None:
-                    yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {}, "logprobs": lp,
-                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}])
+                    if delta or c.finished() or not reasoning:
+                        yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
+                                      "logprobs": lp, "finish_reason": c.finish_reason,
+                                      "stop_reason": c.stop_reason}])
                     continue
-                deltas, called = tool_streams[c.index].deltas(c.text, c.finished(), c.finish_reason == "stop")
+                deltas, called = tool_streams[c.index].deltas(text, c.finished(), c.finish_reason == "stop")
                 finish = c.finish_reason
                 if c.finished() and called and finish == "stop":
                     finish = "tool_calls"

@@ -7,7 +7,8 @@ JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE, JAXLLM_
 JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N
 (most choices per request, default 16), JAXLLM_ALLOWED_ORIGINS (comma-separated origins allowed by CORS, or *;
 default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing the model's, as vLLM's
---chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template).
+--chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template),
+JAXLLM_REASONING_PARSER (qwen3, deepseek_r1: <think> blocks go to reasoning_content; default: off).
 TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
 """
 
@@ -18,6 +19,7 @@ import os
 from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig
+from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
 
 _ENGINE_ENV = {
@@ -37,6 +39,7 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # CORS; empty: off
     chat_template: str | None = None  # a template's source, replacing the model's
     tool_call_parser: str | None = None  # None: chosen from the chat template
+    reasoning_parser: str | None = None  # None: no reasoning_content
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -51,10 +54,13 @@ class ServerSettings:
         parser = env.get("JAXLLM_TOOL_CALL_PARSER") or None
         if parser is not None and parser not in TOOL_PARSERS:
             raise ValueError(f"JAXLLM_TOOL_CALL_PARSER={parser!r}: known parsers are {sorted(TOOL_PARSERS)}")
+        reasoning = env.get("JAXLLM_REASONING_PARSER") or None
+        if reasoning is not None and reasoning not in REASONING_PARSERS:
+            raise ValueError(f"JAXLLM_REASONING_PARSER={reasoning!r}: known parsers are {sorted(REASONING_PARSERS)}")
         return cls(engine=engine, api_key=env.get("JAXLLM_API_KEY") or None,
                    max_body_bytes=int(env.get("JAXLLM_MAX_BODY_BYTES", 10 * 2**20)),
                    drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)),
                    allowed_origins=tuple(o.strip() for o in env.get("JAXLLM_ALLOWED_ORIGINS", "").split(",")
                                          if o.strip()),
                    chat_template=Path(template_path).read_text() if template_path else None,
-                   tool_call_parser=parser)
+                   tool_call_parser=parser, reasoning_parser=reasoning)
