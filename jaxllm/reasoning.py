@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.tools.parsers import held_back
+
 START, END = "<think>", "</think>"
 
 
@@ -20,13 +22,6 @@ START, END = "<think>", "</think>"
 class Split:
     reasoning: str
     content: str
-
-
-def _held_back(text: str, marker: str) -> int:
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +40,7 @@ class ReasoningParser:
         end = body.find(END)
         if end >= 0:
             return Split(body[:end].lstrip(), body[end + len(END):].lstrip())
-        keep = len(body) if finished else len(body) - _held_back(body, END)
+        keep = len(body) if finished else len(body) - held_back(body, END)
         return Split(body[:keep].lstrip(), "")  # stripped on the left only: streamed, it only grows
 
 

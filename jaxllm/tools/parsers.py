@@ -39,7 +39,7 @@ def _call(obj, args_key: str) -> ToolCall:
     return ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
 
-def _held_back(text: str, marker: str) -> int:
+def held_back(text: str, marker: str) -> int:
     """Length of the longest suffix of text that is a proper prefix of marker (it may yet become the marker)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if marker.startswith(text[-n:]):
@@ -61,7 +61,7 @@ class HermesParser(ToolParser):
     def scan(self, text: str, finished: bool) -> Scan:
         first = text.find(self.START)
         if first < 0:
-            keep = len(text) if finished else len(text) - _held_back(text, self.START)
+            keep = len(text) if finished else len(text) - held_back(text, self.START)
             return Scan(text[:keep], [])
         calls = []
         for block in re.finditer(re.escape(self.START) + r"(.*?)" + re.escape(self.END), text[first:], re.S):
@@ -109,7 +109,7 @@ class MistralParser(ToolParser):
     def scan(self, text: str, finished: bool) -> Scan:
         at = text.find(self.MARKER)
         if at < 0:
-            keep = len(text) if finished else len(text) - _held_back(text, self.MARKER)
+            keep = len(text) if finished else len(text) - held_back(text, self.MARKER)
             return Scan(text[:keep], [])
         if not finished:
             return Scan(text[:at], [])
