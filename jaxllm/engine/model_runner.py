@@ -125,9 +125,9 @@ class ModelRunner:
 
     @property
     def caches(self) -> tuple[jax.Array, jax.Array]:
-        """The K and V caches, allocated on first use: `warmup` builds every bucket first, because XLA's GPU
-        autotuner times a fusion on scratch buffers the size of its operands, the cache among them (an 8B model's
-        build asked for 18 GiB beside a 39 GB cache on an H100, and failed)."""
+        """The K and V caches, allocated on first use: `warmup` builds every bucket first, so compilation (XLA's
+        GPU autotuner takes scratch buffers) never competes with the cache for device memory. A precaution: the
+        8B out-of-memory seen on an H100 was allocator fragmentation, not this (see benchmarks/device_check.py)."""
         if self._caches is None:
             self._caches = self._allocate()
         return self._caches
@@ -200,7 +200,7 @@ class ModelRunner:
 
     def warmup(self, max_workers: int | None = None) -> list[BucketBuild]:
         """Builds every bucket (on up to `max_workers` threads) and runs each once, on this thread, as its build
-        finishes. Returns how each bucket was built, in bucket order."""
+        finishes, then runs each once. Returns how each bucket was built, in bucket order."""
         workers = max_workers or min(len(self.buckets), os.cpu_count() or 1, 4)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-build") as pool:
             futures = [pool.submit(self.build, b) for b in self.buckets]
