@@ -1,0 +1,78 @@
+"""Quantized weights on the host, between a checkpoint's tensors and the model's parameters: per-channel int8
+made from float weights, conversion between formats (`QuantFormat.join` picks a common one when the parts of one
+parameter differ), and dequantization back to float when a parameter stays float."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pallas_kernels.quantized_matmul.format import GROUP_4BIT, INT8, QuantFormat, QuantizedWeight
+
+
+@dataclasses.dataclass
+class HostQuantized:
+    """A checkpoint tensor kept quantized: `weight` in `fmt`, of logical shape [..., out, in]."""
+    weight: QuantizedWeight
+    fmt: QuantFormat
+    shape: tuple[int, ...]
+
+    def map_rows(self, fn) -> HostQuantized:
+        """fn applied to each array along their shared leading (row) axes, e.g. a row permutation."""
+        w = QuantizedWeight(*(None if a is None else fn(a) for a in self.weight))
+        return HostQuantized(w, self.fmt, (*w.data.shape[:-1], self.shape[-1]))
+
+
+def values(w: QuantizedWeight, fmt: QuantFormat) -> np.ndarray:
+    """The integer values [..., in] as int8 (4-bit data unpacked into input order)."""
+    if fmt.bits == 8:
+        return w.data
+    d = w.data.reshape(*w.data.shape[:-1], -1, GROUP_4BIT // 2)
+    return np.concatenate([d & 0x0F, d >> 4], axis=-1).reshape(*w.data.shape[:-1], -1).view(np.int8)
+
+
+def dequantize(w: QuantizedWeight, fmt: QuantFormat) -> np.ndarray:
+    q = values(w, fmt).astype(np.float32)
+    groups = w.scale.shape[-1]
+    q = q.reshape(*q.shape[:-1], groups, -1)
+    v = q * w.scale.astype(np.float32)[..., None]
+    if w.offset is not None:
+        v += w.offset.astype(np.float32)[..., None]
+    return v.reshape(*v.shape[:-2], -1)
+
+
+def quantize_int8(w: np.ndarray) -> QuantizedWeight:
+    """Per-output-channel symmetric int8: scale = max |w| / 127 per row, float32."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=-1, keepdims=True)
+    scale = amax / 127.0
+    inv = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    data = np.clip(np.rint(w * inv), -127, 127).astype(np.int8)
+    return QuantizedWeight(data, scale.astype(np.float32), None)
+
+
+def convert(t: HostQuantized | np.ndarray, fmt: QuantFormat | None) -> QuantizedWeight | np.ndarray:
+    """A tensor in `fmt` (None: float32): lossless between quantized formats (`fmt` must be `t.fmt` or a join of
+    it), int8 made from float, float from anything."""
+    if not isinstance(t, HostQuantized):
+        if fmt is None:
+            return t
+        if fmt != INT8:
+            raise ValueError(f"float weights are quantized to int8 only, not {fmt.label}")
+        return quantize_int8(t)
+    if fmt is None:
+        return dequantize(t.weight, t.fmt)
+    src, w = t.fmt, t.weight
+    if src == fmt:
+        return w
+    if fmt.bits != 8 or (src.group and fmt.group and src.group % fmt.group) or (src.affine and not fmt.affine):
+        raise ValueError(f"cannot hold {src.label} in {fmt.label} losslessly")
+    rep = src.group // fmt.group
+    scale = np.repeat(w.scale, rep, axis=-1).astype(fmt.scale_dtype)
+    if fmt.affine:
+        offset = np.zeros_like(w.scale) if w.offset is None else w.offset
+        offset = np.repeat(offset, rep, axis=-1).astype(fmt.scale_dtype)
+    else:
+        offset = None
+    return QuantizedWeight(np.ascontiguousarray(values(w, src)), scale, offset)
