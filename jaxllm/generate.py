@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     m.add_argument("--tensor-parallel-size", type=int, help="devices to shard the model over")
     m.add_argument("--attn-impl", help="paged attention kernel: auto, reference, cpu, pallas_tpu, pallas_gpu")
     m.add_argument("--matmul-impl", help="matmul kernel: auto, reference (XLA's dot), cpu (steps of few tokens)")
+    m.add_argument("--quantization", help="weights: auto (a GGUF file's own quantization, kept in memory), int8 "
+                   "(per-channel, made at load from any checkpoint), none (dequantized to --dtype)")
     m.add_argument("--kv-cache-dtype", help="KV cache element type: auto (the model's), bfloat16, float16, "
                    "float32, float8_e4m3fn, float8_e5m2")
     m.add_argument("--max-model-len", type=int, help="maximum context length (prompt + generated)")

@@ -148,3 +148,18 @@ def matmul_kernel(kernels: Kernels) -> Callable:
         return matmul
     from pallas_kernels.skinny_matmul.reference import matmul
     return matmul
+
+
+@functools.cache
+def quantized_matmul_kernel(kernels: Kernels) -> Callable:
+    """``(x [..., in], w: QuantizedWeight, fmt, layer=None) -> [..., out]``, the matmul against quantized weights
+    (`pallas_kernels.quantized_matmul`): with the "cpu" matmul, the CPU kernel (decode-sized steps; XLA on row
+    tiles for more rows); otherwise the reference, XLA's dot on weights dequantized in the step (fused on GPU and
+    TPU)."""
+    if kernels.matmul == "cpu":
+        from pallas_kernels.quantized_matmul.cpu import matmul, register
+        if jax.default_backend() == "cpu":
+            register()  # now, not when first traced: a step loaded from the executable cache is never traced
+        return matmul
+    from pallas_kernels.quantized_matmul.reference import matmul
+    return matmul

@@ -12,6 +12,7 @@ from typing import Any
 
 from jaxllm.config import ConfigError
 from jaxllm.dtypes import KV_CACHE_DTYPES
+from jaxllm.loading.quantize import QUANTIZATIONS
 
 
 def preset_names() -> list[str]:
@@ -38,6 +39,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     attn_impl: str = "auto"
     matmul_impl: str = "auto"
+    # auto (a GGUF file's own quantization; other checkpoints as stored), gguf, int8 (made at load), none (float)
+    quantization: str = "auto"
     # KV cache
     kv_cache_dtype: str = "auto"  # the model's dtype, or bfloat16, float16, float32, float8_e4m3fn, float8_e5m2
     page_size: int = 16
@@ -60,6 +63,7 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.quantization in QUANTIZATIONS, f"quantization must be one of {', '.join(QUANTIZATIONS)}"),
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
              f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}"),
             (self.page_size >= 1 and self.page_size & (self.page_size - 1) == 0, "page_size must be a power of two"),

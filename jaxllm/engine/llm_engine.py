@@ -93,7 +93,7 @@ class LLMEngine:
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                 attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
-                                kv_cache_dtype=config.kv_cache_dtype)
+                                kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
         load_s = time.perf_counter() - start
         if loaded is not None:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name

@@ -4,7 +4,10 @@ or, with no path, the embedded SmolLM2."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
+
+import jax
 
 from jax.sharding import Mesh
 
@@ -14,9 +17,10 @@ from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
 from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
 from jaxllm.loading.errors import LoadError
-from jaxllm.loading.gguf import gguf_config, gguf_tensors
+from jaxllm.loading.gguf import gguf_config, gguf_quant_plan, gguf_tensors
 from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.hf import hf_tensors, load_hf_config
+from jaxllm.loading.quantize import QUANTIZATIONS, int8_plan, plan_label
 from jaxllm.loading.weights import assemble_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import check_tensor_parallel, make_mesh
@@ -24,7 +28,9 @@ from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from jaxllm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["LoadError", "LoadedModel", "load_model", "load_tokenizer"]
+__all__ = ["LoadError", "LoadedModel", "load_model", "load_tokenizer", "weight_bytes"]
+
+logger = logging.getLogger("jaxllm.loading")
 
 
 @dataclasses.dataclass
@@ -59,9 +65,27 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
     return None
 
 
+def weight_bytes(model: LlamaForCausalLM) -> int:
+    """Bytes of the model's parameters (all devices' shards counted once)."""
+    from flax import nnx
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def _check_quantization(quantization: str | None) -> str:
+    q = "none" if quantization is None else quantization
+    if q not in QUANTIZATIONS:
+        raise LoadError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    return q
+
+
 def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", tensor_parallel_size: int = 1,
                attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
-               load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None) -> LoadedModel:
+               load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None,
+               quantization: str | None = "auto") -> LoadedModel:
+    """quantization: "auto" (a GGUF file's weights stay in their own quantization, anything else as stored),
+    "gguf" (the same, for GGUF files only), "int8" (per-channel int8 of every linear weight and the embedding,
+    made at load), "none" (float weights of `dtype`)."""
+    quantization = _check_quantization(quantization)
     p = _resolve(path)
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
@@ -69,22 +93,33 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     kernels = choose_kernels(attn_impl, matmul_impl, platform=next(iter(mesh.devices.flat)).platform, dtype=dt,
                              kv_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dt), mesh=mesh)
     tokenizer = None
+    if quantization == "gguf" and not p.is_file():
+        raise LoadError(f"{p}: quantization='gguf' needs a GGUF file")
     if p.is_file():
         g = GGUFFile(p)
         cfg = gguf_config(g)
         check_tensor_parallel(cfg, tp)
-        model = assemble_model(cfg, gguf_tensors(g, cfg), dtype=dt, kernels=kernels, mesh=mesh)
+        plan = gguf_quant_plan(g) if quantization in ("auto", "gguf") else \
+            int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
+        model = assemble_model(cfg, gguf_tensors(g, cfg, quantized=quantization in ("auto", "gguf")), dtype=dt,
+                               kernels=kernels, mesh=mesh, quantization=plan)
         if load_tokenizer_too:
             tokenizer = tokenizer_from_gguf(g.metadata, str(p))
     elif is_orbax_checkpoint(p):
+        if quantization != "auto":
+            raise LoadError(f"{p}: an orbax checkpoint is restored as it was saved (weights quantized or not), not "
+                            f"with quantization={quantization!r}")
         model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh)
         cfg = model.config
     else:
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
-        model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh)
+        plan = int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
+        model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan)
     model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
     name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name
+    logger.info("loaded %s: weights %s, %.1f MB resident", name, plan_label(model.quant_plan),
+                weight_bytes(model) / 1e6)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name)

@@ -18,8 +18,10 @@ from jaxllm.loading.weights import abstract_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import logical_rules, named_sharding
 from jaxllm.tokenizer.tokenizer import Tokenizer
+from pallas_kernels.quantized_matmul import QuantFormat
 
 CONFIG_FILE = "jaxllm_config.json"
+QUANT_FILE = "jaxllm_quantization.json"  # the weights saved quantized and their formats (absent: all float)
 
 
 def _checkpointer():
@@ -47,6 +49,11 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
     with _checkpointer() as ckpt:
         ckpt.save(path / "params", args=ocp.args.PyTreeSave(params), force=True)
     (path / CONFIG_FILE).write_text(json.dumps(dataclasses.asdict(model.config), indent=1))
+    quant = {role: dataclasses.asdict(fmt) for role, fmt in model.quant_plan.items()}
+    if quant:
+        (path / QUANT_FILE).write_text(json.dumps(quant, indent=1))
+    elif (path / QUANT_FILE).exists():
+        (path / QUANT_FILE).unlink()
     if tokenizer is not None:
         tokenizer.backend.save(str(path / "tokenizer.json"))
         (path / "tokenizer_config.json").write_text(json.dumps({
@@ -68,7 +75,10 @@ def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh)
     if not is_orbax_checkpoint(path):
         raise LoadError(f"{path}: not a jaxllm orbax checkpoint (no {CONFIG_FILE} and params/)")
     cfg = load_checkpoint_config(path)
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, stacked=False))  # saved layer by layer
+    plan = {role: QuantFormat(**fmt) for role, fmt in json.loads((path / QUANT_FILE).read_text()).items()} \
+        if (path / QUANT_FILE).is_file() else {}
+    # saved layer by layer
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, stacked=False, quantization=plan))
     rules = logical_rules(cfg, mesh.shape["tp"])
     target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,

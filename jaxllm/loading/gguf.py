@@ -10,7 +10,10 @@ import numpy as np
 from jaxllm.config import ConfigError, ModelConfig, RopeConfig
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.gguf_file import GGUFFile
+from jaxllm.loading.gguf_quant import FORMATS
+from jaxllm.loading.quantize import join_plan, role_of
 from jaxllm.models.registry import GGUF_ARCHITECTURES, architecture_spec
+from pallas_kernels.quantized_matmul import QuantFormat
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
@@ -92,7 +95,16 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, out // n_head // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, object, str]]:
+def gguf_quant_plan(g: GGUFFile) -> dict[str, QuantFormat]:
+    """The weights a GGUF file keeps quantized, each in the one format that holds all its tensors (a Q4_K_M file
+    mixes Q4_K and Q6_K in some weights: those become 8-bit, `QuantFormat.join`)."""
+    return join_plan((role_of(hf) if (hf := gguf_to_hf_name(name)) else None, FORMATS.get(info.qtype))
+                     for name, info in g.tensors.items())
+
+
+def gguf_tensors(g: GGUFFile, cfg: ModelConfig, quantized: bool = False) -> Iterator[tuple[str, object, str]]:
+    """(hf_name, load, source) per tensor; load() dequantizes to float, or with `quantized` returns the
+    quantized types' blocks repacked (`HostQuantized`)."""
     permuted = architecture_spec(cfg.architecture).permuted_qk_in_gguf
     for name in g.tensors:
         hf_name = gguf_to_hf_name(name)
@@ -104,7 +116,12 @@ def gguf_tensors(g: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, object, s
         heads = {"self_attn.q_proj": cfg.num_heads, "self_attn.k_proj": cfg.num_kv_heads}.get(module) \
             if permuted else None
 
-        def load(name=name, heads=heads):
+        keep = quantized and g.tensors[name].qtype in FORMATS
+
+        def load(name=name, heads=heads, keep=keep):
+            if keep:
+                w = g.load_quantized(name)
+                return w.map_rows(lambda a: _unpermute(a, heads)) if heads else w
             w = g.load(name)
             return _unpermute(w, heads) if heads else w
 

@@ -17,11 +17,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from jaxllm.loading.dequantize import dequantize
 from jaxllm.loading.errors import LoadError
+from jaxllm.loading.gguf_quant import FORMATS, repack
+from jaxllm.loading.quantize import HostQuantized
 
 # The quantization types jaxllm dequantizes at load time.
 SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K,
 })
 
 # value type -> struct format (little-endian); numpy reads arrays of the same formats.
@@ -113,6 +116,19 @@ class GGUFFile:
             block, type_size = GGML_QUANT_SIZES[qtype]
             nbytes = int(np.prod(shape)) // block * type_size
             self.tensors[name] = TensorInfo(name, shape, qtype, data_start + offset, nbytes)
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes (uint8, memory-mapped)."""
+        info = self.tensors[name]
+        if info.offset + info.nbytes > len(self._data):
+            raise LoadError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated file?)")
+        return self._data[info.offset:info.offset + info.nbytes]
+
+    def load_quantized(self, name: str) -> HostQuantized:
+        """A tensor of a type kept quantized (`gguf_quant.FORMATS`), repacked, not dequantized."""
+        info = self.tensors[name]
+        return HostQuantized(repack(np.asarray(self.raw(name)), info.qtype, info.shape), FORMATS[info.qtype],
+                             info.shape)
 
     def load(self, name: str) -> np.ndarray:
         """The tensor, dequantized to float32 (or kept as float16/bfloat16), in numpy shape order."""

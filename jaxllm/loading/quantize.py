@@ -76,3 +76,40 @@ def convert(t: HostQuantized | np.ndarray, fmt: QuantFormat | None) -> Quantized
     else:
         offset = None
     return QuantizedWeight(np.ascontiguousarray(values(w, src)), scale, offset)
+
+
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
+_ROLES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
+          "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
+
+
+def role_of(hf_name: str) -> str | None:
+    """'model.layers.3.self_attn.k_proj.weight' -> 'qkv_proj': the model weight (`QUANTIZABLE`) a checkpoint
+    tensor belongs to; None for biases, norms and anything else."""
+    parts = hf_name.split(".")
+    return _ROLES.get(parts[-2]) if len(parts) > 1 and parts[-1] == "weight" else None
+
+
+def join_plan(formats) -> dict[str, QuantFormat]:
+    """(role, format or None) pairs, one per checkpoint tensor -> the plan: each role's common format (a role with
+    any float tensor stays float)."""
+    seen: dict[str, QuantFormat | None] = {}
+    for role, fmt in formats:
+        if role is None:
+            continue
+        seen[role] = fmt if role not in seen else (None if seen[role] is None else seen[role].join(fmt))
+    return {role: fmt for role, fmt in seen.items() if fmt is not None}
+
+
+def int8_plan(tie_word_embeddings: bool) -> dict[str, QuantFormat]:
+    roles = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens"]
+    return {role: INT8 for role in roles + ([] if tie_word_embeddings else ["lm_head"])}
+
+
+def plan_label(plan: dict[str, QuantFormat]) -> str:
+    """'q4_1 (qkv_proj, o_proj, ...), q8_0 (embed_tokens)' for logs; 'none' for an empty plan."""
+    by_label: dict[str, list[str]] = {}
+    for role, fmt in sorted(plan.items()):
+        by_label.setdefault(fmt.label, []).append(role)
+    return ", ".join(f"{label} ({', '.join(roles)})" for label, roles in by_label.items()) or "none"

@@ -25,7 +25,9 @@ from jaxllm.config import ModelConfig
 from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.fused import NUM_PARTS, PARTS, fuse, part_shapes
-from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.loading.quantize import HostQuantized, convert
+from jaxllm.models.llama import LlamaForCausalLM, QuantPlan
+from pallas_kernels.quantized_matmul import QuantizedWeight
 from jaxllm.sharding import logical_rules, named_sharding
 
 # Tensors some checkpoints carry that the model recomputes.
@@ -51,10 +53,11 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | Non
     return tuple(path), None
 
 
-def abstract_model(cfg: ModelConfig, dtype, kernels: Kernels, *, stacked: bool = True) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, dtype, kernels: Kernels, *, stacked: bool = True,
+                   quantization: QuantPlan | None = None) -> LlamaForCausalLM:
     """The model's shapes (no arrays), its layers stacked as the loaders return them (or separate: the layout of
     an orbax checkpoint)."""
-    model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None)
+    model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None, quantization=quantization)
     if stacked:
         model.stack_layers()  # abstract: only shapes move
     return model
@@ -91,18 +94,52 @@ def _layer_slot(path: tuple) -> tuple[tuple, int | None]:
     return path, None
 
 
+def _role(path: tuple) -> str | None:
+    """The quantizable weight a variable path holds (its packed values), e.g. 'qkv_proj'."""
+    if path[-1] == "embedding":
+        return "embed_tokens"
+    return str(path[-2]) if path[-1] == "weight" and len(path) > 1 else None
+
+
+def _logical_shape(value) -> tuple[int, ...]:
+    return tuple(value.shape)
+
+
+def _expand(path: tuple, value) -> list[tuple[tuple, np.ndarray]]:
+    """A prepared tensor -> the variables it fills: a float array its own; quantized weights their values, scale
+    and offset (``weight``, ``weight_scale``, ``weight_offset``)."""
+    if not isinstance(value, QuantizedWeight):
+        return [(path, value)]
+    out = [(path, value.data), ((*path[:-1], f"{path[-1]}_scale"), value.scale)]
+    if value.offset is not None:
+        out.append(((*path[:-1], f"{path[-1]}_offset"), value.offset))
+    return out
+
+
+def _placeholder(fmt):
+    """Something `_expand` maps to the variables a weight of format `fmt` (None: float) fills."""
+    if fmt is None:
+        return None
+    return QuantizedWeight(None, None, True if fmt.affine else None)
+
+
 def assemble_model(
     cfg: ModelConfig,
-    tensors: Iterable[tuple[str, Callable[[], np.ndarray], str]],
+    tensors: Iterable[tuple[str, Callable[[], np.ndarray | HostQuantized], str]],
     *,
     dtype,
     kernels: Kernels,
     mesh: Mesh,
+    quantization: QuantPlan | None = None,
 ) -> LlamaForCausalLM:
-    """tensors: (hf_name, load() -> host array, source file for messages). The layers' tensors are read one
-    stacked parameter at a time (all layers of one weight, then the next) into a host array of the stacked
-    shape, placed once it is full: the host holds one stacked parameter and the devices never a second copy."""
-    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels))
+    """tensors: (hf_name, load() -> host array or `HostQuantized`, source file for messages). The layers' tensors
+    are read one stacked parameter at a time (all layers of one weight, then the next) into a host array of the
+    stacked shape, placed once it is full: the host holds one stacked parameter and the devices never a second
+    copy. quantization: the weights kept quantized (`jaxllm.loading.quantize`): each tensor of such a weight is
+    converted to its format on the loader threads (a GGUF block repacked, a float tensor made int8); every other
+    tensor arrives as float."""
+    plan = dict(quantization or {})
+    graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, quantization=plan))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
     rules = logical_rules(cfg, mesh.shape["tp"])
@@ -119,6 +156,9 @@ def assemble_model(
         if var is None or (layer is not None and layer >= cfg.num_layers):
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
         shape = tuple(var.get_value().shape)[0 if layer is None else 1:]
+        fmt = plan.get(_role(var_path))
+        if fmt is not None:  # the packed values' shape -> the weight's [out, in]
+            shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
         expected = shape if part is None else part_shapes(var_path[-2], cfg, shape[1:])[part]
         entries.append((var_path, layer, part, name, load, source, expected))
     entries.sort(key=lambda e: (order[e[0]], -1 if e[1] is None else e[1], e[2] or 0))
@@ -128,16 +168,24 @@ def assemble_model(
     stacks: dict[tuple, np.ndarray] = {}  # stacked parameters being filled on the host, [layers, ...]
     filled: dict[tuple, set[int]] = {}  # their layers filled so far
 
-    def put(path, array):
-        var = variables[path]
-        sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
-        var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
-        loaded.add(path)
+    def put(path, value):
+        for p, array in _expand(path, value):
+            var = variables[p]
+            sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
+            var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
+            loaded.add(p)
 
     def check(name, source, array, expected):
-        if tuple(array.shape) != expected:
-            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
+        if _logical_shape(array) != expected:
+            raise LoadError(f"{source}: tensor {name!r} has shape {_logical_shape(array)}, but the config implies "
                             f"{expected}")
+
+    def prepare(path, value):
+        """A checked tensor in its parameter's form: quantized in the plan's format, or float."""
+        try:
+            return convert(value, plan.get(_role(path)))
+        except ValueError as e:
+            raise LoadError(f"{'.'.join(map(str, path))}: {e}") from None
 
     def stack_of(path) -> np.ndarray:
         if path not in stacks:
@@ -145,22 +193,30 @@ def assemble_model(
             stacks[path], filled[path] = np.empty(value.shape, value.dtype), set()
         return stacks[path]
 
-    def into_stack(load, stack, layer, name, source, expected):
-        """On a loader thread: read, check and copy (casting) into the layer's slot; numpy copies without the GIL."""
+    def fill_stack(path, layer, value):
+        for p, array in _expand(path, value):
+            stack_of(p)[layer] = array
+
+    def into_stack(load, path, layer, name, source, expected):
+        """On a loader thread: read, check, convert and copy (casting) into the layer's slot; numpy copies
+        without the GIL."""
         array = load()
         check(name, source, array, expected)
-        stack[layer] = array
+        fill_stack(path, layer, prepare(path, array))
 
     def jobs():
         for path, layer, part, name, load, source, expected in entries:
             if layer is not None and part is None:
-                load = functools.partial(into_stack, load, stack_of(path), layer, name, source, expected)
+                for p, _ in _expand(path, _placeholder(plan.get(_role(path)))):
+                    stack_of(p)  # allocated here, on this thread, before a loader thread fills a slot
+                load = functools.partial(into_stack, load, path, layer, name, source, expected)
             yield name, load, (path, layer, part, source, expected)
 
     def layer_done(path, layer):
         filled[path].add(layer)
         if len(filled[path]) == cfg.num_layers:
-            put(path, stacks.pop(path))
+            for p, _ in _expand(path, _placeholder(plan.get(_role(path)))):
+                put(p, stacks.pop(p))
 
     for name, future, (path, layer, part, source, expected) in _prefetched(jobs()):
         array = future.result()
@@ -168,18 +224,24 @@ def assemble_model(
             layer_done(path, layer)  # already in its slot
             continue
         check(name, source, array, expected)
+        array = prepare(path, array)
         if part is None:
             put(path, array)
             continue
         parts = pending.setdefault((path, layer), {})
         parts[part] = array
         if len(parts) == NUM_PARTS[path[-2]]:
-            fused = fuse(path[-2], [parts[i] for i in range(len(parts))], cfg)
+            ordered = [parts[i] for i in range(len(parts))]
+            if isinstance(ordered[0], QuantizedWeight):  # each array fused along its rows
+                fused = QuantizedWeight(*(None if f[0] is None else fuse(path[-2], list(f), cfg)
+                                          for f in zip(*ordered, strict=True)))
+            else:
+                fused = fuse(path[-2], ordered, cfg)
             del pending[(path, layer)]
             if layer is None:
                 put(path, fused)
             else:
-                stack_of(path)[layer] = fused
+                fill_stack(path, layer, fused)
                 layer_done(path, layer)
     missing = []
     for path in variables:

@@ -36,8 +36,9 @@ def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_windo
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quant: dict | None = None):
         e, d = cfg.hidden_size, cfg.head_dim
+        quant = quant or {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.group = cfg.num_heads // cfg.num_kv_heads
         self.sliding_window = cfg.sliding_window
@@ -45,8 +46,9 @@ class Attention(nnx.Module):
         # grouped by KV head, [kv_heads, group + 2, head_dim] (the group's q heads, then its k, then its v), so
         # splitting the rows by KV head for tensor parallelism splits q, k and v alike, whatever the tp size.
         self.qkv_proj = Linear(e, (cfg.num_heads + 2 * cfg.num_kv_heads) * d, ("embed", "kv_heads"),
-                               bias=cfg.attention_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+                               bias=cfg.attention_bias, dtype=dtype, rngs=rngs, quant=quant.get("qkv_proj"))
+        self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
+                             quant=quant.get("o_proj"))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)

@@ -7,8 +7,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxllm.kernels import choose_kernels, matmul_kernel
+from jaxllm.kernels import choose_kernels, matmul_kernel, quantized_matmul_kernel
 from jaxllm.models.stacked_layers import LayerSlice
+from pallas_kernels.quantized_matmul import QuantFormat, QuantizedWeight
+from pallas_kernels.quantized_matmul.reference import take_rows
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | None):
@@ -20,17 +22,46 @@ def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, std: float | Non
     return jax.random.normal(rngs.params(), shape, dtype) * std
 
 
+def _init_quantized(rngs: nnx.Rngs | None, fmt: QuantFormat, out_features: int, in_features: int, std: float):
+    """(data, scale, offset) of a quantized [out, in] weight: random values of about `std`, or shapes only."""
+    data_shape, scale_shape = fmt.data_shape(out_features, in_features), fmt.scale_shape(out_features, in_features)
+    if rngs is None:
+        return (jax.ShapeDtypeStruct(data_shape, fmt.data_dtype), jax.ShapeDtypeStruct(scale_shape, fmt.scale_dtype),
+                jax.ShapeDtypeStruct(scale_shape, fmt.scale_dtype) if fmt.affine else None)
+    levels = 16 if fmt.bits == 4 else 127
+    data = jax.random.randint(rngs.params(), data_shape, 0 if fmt.bits == 4 else -levels, levels).astype(fmt.data_dtype)
+    step = 2 * std / levels if fmt.bits == 4 else std / 32
+    scale = jnp.full(scale_shape, step, fmt.scale_dtype)
+    return data, scale, jnp.full(scale_shape, -8 * step, fmt.scale_dtype) if fmt.affine else None
+
+
+def _scale_axes(axes: tuple[str | None, str | None], fmt: QuantFormat, in_features: int):
+    """A scale's axes: the weight's, its input axis only where there is more than one group along it."""
+    return (axes[0], axes[1] if fmt.groups(in_features) > 1 else None)
+
+
 class Linear(nnx.Module):
     """y = x W^T + b with W stored [out, in], as checkpoints ship it. XLA:CPU also runs this contraction
     faster than x @ W[in, out] for 16+ rows (decode batches, prefill): 53 vs 66 ms for a SmolLM2 forward of
     32 tokens (`benchmarks/offline.py` figures in the README). ``kernels`` (set by the model: `jaxllm.kernels`)
-    picks the matmul kernel; a Linear built on its own uses the current backend's default."""
+    picks the matmul kernel; a Linear built on its own uses the current backend's default.
+
+    With ``quant`` (a `QuantFormat`) the weight is kept quantized: ``weight`` holds the packed values (int8
+    [out, in] or uint8 [out, in / 2]), ``weight_scale`` and ``weight_offset`` (affine formats) [out, groups]."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
-                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None):
+                 bias: bool = False, dtype=jnp.float32, rngs: nnx.Rngs | None, quant: QuantFormat | None = None):
         """axes: logical names of (in, out)."""
-        self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype, in_features ** -0.5),  # [out, in]
-                                axes=(axes[1], axes[0]))
+        self.quant = quant
+        w_axes = (axes[1], axes[0])
+        if quant is None:
+            self.weight = nnx.Param(_init(rngs, (out_features, in_features), dtype, in_features ** -0.5),  # [out, in]
+                                    axes=w_axes)
+        else:
+            data, scale, offset = _init_quantized(rngs, quant, out_features, in_features, in_features ** -0.5)
+            self.weight = nnx.Param(data, axes=w_axes)  # [out, in] int8 or [out, in / 2] uint8
+            self.weight_scale = nnx.Param(scale, axes=_scale_axes(w_axes, quant, in_features))  # [out, groups]
+            self.weight_offset = None if offset is None else nnx.Param(offset, axes=self.weight_scale.axes)
         self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
         self.kernels = choose_kernels(dtype=dtype)
 
@@ -39,13 +70,25 @@ class Linear(nnx.Module):
         return self.kernels.matmul
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight.get_value()
-        matmul = matmul_kernel(self.kernels)
-        if isinstance(w, LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
-            y = matmul(x, w.stacked, w.index)  # [..., out]
+        if self.quant is not None:
+            y = _quantized_matmul(self.kernels, x, self.quant, self.weight, self.weight_scale, self.weight_offset)
         else:
-            y = matmul(x, w)
+            w = self.weight.get_value()
+            matmul = matmul_kernel(self.kernels)
+            if isinstance(w, LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
+                y = matmul(x, w.stacked, w.index)  # [..., out]
+            else:
+                y = matmul(x, w)
         return y if self.bias is None else y + self.bias[...]
+
+
+def _quantized_matmul(kernels, x, fmt: QuantFormat, data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None):
+    values = [v.get_value() if v is not None else None for v in (data, scale, offset)]
+    matmul = quantized_matmul_kernel(kernels)
+    if isinstance(values[0], LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
+        w = QuantizedWeight(*(None if v is None else v.stacked for v in values))
+        return matmul(x, w, fmt, values[0].index)
+    return matmul(x, QuantizedWeight(*values), fmt)
 
 
 class RMSNorm(nnx.Module):
@@ -61,17 +104,38 @@ class RMSNorm(nnx.Module):
 
 
 class Embed(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
-        self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype, 0.02), axes=("vocab", "embed"))  # [vocab, embed]
+    """The token embedding [vocab, embed], also the tied LM head; with ``quant``, kept quantized like `Linear`'s
+    weight (rows dequantized as they are looked up)."""
+
+    def __init__(self, vocab: int, dim: int, *, dtype=jnp.float32, rngs: nnx.Rngs | None,
+                 quant: QuantFormat | None = None):
+        self.quant, self.dtype = quant, dtype
+        axes = ("vocab", "embed")
+        if quant is None:
+            self.embedding = nnx.Param(_init(rngs, (vocab, dim), dtype, 0.02), axes=axes)  # [vocab, embed]
+        else:
+            data, scale, offset = _init_quantized(rngs, quant, vocab, dim, 0.02)
+            self.embedding = nnx.Param(data, axes=axes)
+            self.embedding_scale = nnx.Param(scale, axes=_scale_axes(axes, quant, dim))
+            self.embedding_offset = None if offset is None else nnx.Param(offset, axes=self.embedding_scale.axes)
         self.kernels = choose_kernels(dtype=dtype)
 
     @property
     def matmul_impl(self) -> str:
         return self.kernels.matmul
 
+    def _quantized(self) -> QuantizedWeight:
+        return QuantizedWeight(self.embedding[...], self.embedding_scale[...],
+                               None if self.embedding_offset is None else self.embedding_offset[...])
+
     def __call__(self, ids: jax.Array) -> jax.Array:
+        if self.quant is not None:
+            return take_rows(self._quantized(), self.quant, ids, self.dtype)
         return jnp.take(self.embedding[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Tied LM head: x [..., embed] -> logits [..., vocab] (the embedding is the head's [out, in] weight)."""
+        if self.quant is not None:
+            return _quantized_matmul(self.kernels, x, self.quant, self.embedding, self.embedding_scale,
+                                     self.embedding_offset)
         return matmul_kernel(self.kernels)(x, self.embedding[...])

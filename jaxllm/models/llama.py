@@ -19,11 +19,16 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.kernels import Kernels, attention_kernel, choose_kernels, matmul_kernel
+from jaxllm.kernels import Kernels, attention_kernel, choose_kernels, matmul_kernel, quantized_matmul_kernel
 from jaxllm.models.attention import Attention
 from jaxllm.models.layers import Embed, Linear, RMSNorm
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
 from jaxllm.models.stacked_layers import StackedLayers
+from pallas_kernels.quantized_matmul import QuantFormat
+
+# Which weights a quantization plan names: each is one parameter of every layer, or the embedding / LM head.
+QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
+QuantPlan = dict[str, QuantFormat]  # weight name (QUANTIZABLE) -> its format; absent: float
 
 # K and V, each [kv_heads, num_layers * pages_per_layer, page_size, head_dim]: every layer's pages in one array
 # (layer l's page p is page l * pages_per_layer + p), so a scan over layers carries two arrays, not 2 x layers.
@@ -31,12 +36,13 @@ KVCache = tuple[jax.Array, jax.Array]
 
 
 class MLP(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quant: QuantPlan | None = None):
         e, f = cfg.hidden_size, cfg.intermediate_size
+        quant = quant or {}
         # gate and up in one matmul, rows interleaved [mlp, 2] (gate_i, up_i): a tensor-parallel split of the
         # rows keeps each gate row with its up row, whatever the tp size.
-        self.gate_up_proj = Linear(e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.gate_up_proj = Linear(e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, quant=quant.get("gate_up_proj"))
+        self.down_proj = Linear(f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, quant=quant.get("down_proj"))
 
     def __call__(self, x):
         gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], -1, 2)  # [..., mlp, 2]
@@ -44,11 +50,11 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quant: QuantPlan | None = None):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs)
+        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, attend):
         h, extra = attend(self.self_attn, self.input_layernorm(x))
@@ -58,17 +64,24 @@ class DecoderLayer(nnx.Module):
 
 class LlamaForCausalLM(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", matmul_impl: str = "auto",
-                 kernels: Kernels | None = None, rngs: nnx.Rngs | None = None):
+                 kernels: Kernels | None = None, rngs: nnx.Rngs | None = None, quantization: QuantPlan | None = None):
         """rngs: random initialisation; None builds shapes only, for a loader to fill in. kernels: the kernel
         choice (`jaxllm.kernels.choose_kernels`, e.g. for another platform); default: attn_impl and matmul_impl
-        chosen for this process's backend."""
+        chosen for this process's backend. quantization: the weights kept quantized and their formats."""
+        unknown = set(quantization or {}) - set(QUANTIZABLE)
+        if unknown:
+            raise ValueError(f"cannot quantize {sorted(unknown)}; quantizable weights: {QUANTIZABLE}")
+        quant = dict(quantization or {})
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.quantization = tuple(sorted(quant.items()))  # static (hashable): part of the graph definition
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
+                                  quant=quant.get("embed_tokens"))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant=quant)
+                                for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs, quant=quant.get("lm_head"))
         self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
 
     def set_kernels(self, kernels: Kernels) -> None:
@@ -77,6 +90,8 @@ class LlamaForCausalLM(nnx.Module):
         is never traced)."""
         attention_kernel(kernels)
         matmul_kernel(kernels)
+        if self.quantization:
+            quantized_matmul_kernel(kernels)
         self.kernels = kernels
         for _, module in nnx.iter_modules(self):
             if isinstance(module, (Linear, Embed)):
@@ -95,6 +110,10 @@ class LlamaForCausalLM(nnx.Module):
     @property
     def matmul_impl(self) -> str:
         return self.kernels.matmul
+
+    @property
+    def quant_plan(self) -> QuantPlan:
+        return dict(self.quantization)
 
     @property
     def stacked(self) -> bool:
