@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 
 import jax
-
 from jax.sharding import Mesh
 
 from jaxllm.config import ModelConfig

@@ -27,8 +27,8 @@ from jaxllm.loading.errors import LoadError
 from jaxllm.loading.fused import NUM_PARTS, PARTS, fuse, part_shapes
 from jaxllm.loading.quantize import HostQuantized, convert
 from jaxllm.models.llama import LlamaForCausalLM, QuantPlan
-from pallas_kernels.quantized_matmul import QuantizedWeight
 from jaxllm.sharding import logical_rules, named_sharding
+from pallas_kernels.quantized_matmul import QuantizedWeight
 
 # Tensors some checkpoints carry that the model recomputes.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")

@@ -69,9 +69,12 @@ def _row_q4(data, scale, offset, r, w, k):
         low = w[k, 2 * g * half:(2 * g + 1) * half]
         high = w[k, (2 * g + 1) * half:(2 * g + 2) * half]
         for j in range(half):
-            b = np.int32(src[j])
-            low[j] = np.float32(b & np.int32(15)) * s + o
-            high[j] = np.float32(b >> np.int32(4)) * s + o
+            # Nibbles split in float32 (exact for 0-255): numba widens integer arithmetic to int64, which
+            # vectorizes at half the width.
+            b = np.float32(src[j])
+            hi = np.floor(b * np.float32(0.0625))
+            low[j] = (b - hi * np.float32(16.0)) * s + o
+            high[j] = hi * s + o
 
 
 @numba.njit(inline="always", **_KW)

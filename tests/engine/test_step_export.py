@@ -21,6 +21,8 @@ from jaxllm.kernels import choose_kernels
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.plan import bundled_model_config
 from jaxllm.sharding import make_mesh, shard_abstract
+from pallas_kernels.quantized_matmul import QuantFormat
+from pallas_kernels.quantized_matmul.format import INT8
 
 LLAMA_8B = bundled_model_config("meta-llama/Llama-3.1-8B-Instruct")
 LLAMA_70B = bundled_model_config("meta-llama/Llama-3.1-70B-Instruct")
@@ -28,11 +30,13 @@ LLAMA_70B = bundled_model_config("meta-llama/Llama-3.1-70B-Instruct")
 NATIVE_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
-def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=None) -> tuple[ModelRunner, list[str]]:
+def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=None,
+            quantization=None) -> tuple[ModelRunner, list[str]]:
     engine = EngineConfig.from_preset(preset)
     kernels = choose_kernels("auto", engine.matmul_impl, platform=platform, dtype=jnp.bfloat16, interpret=False,
                              kv_dtype=kv_dtype, tensor_parallel_size=engine.tensor_parallel_size, mesh=mesh)
-    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, kernels=kernels, rngs=None)  # abstract weights
+    model = LlamaForCausalLM(cfg, dtype=jnp.bfloat16, kernels=kernels, rngs=None,  # abstract weights
+                             quantization=quantization)
     model.stack_layers()
     if mesh is not None:
         shard_abstract(model, mesh)
@@ -76,6 +80,23 @@ def test_a_float8_kv_cache_exports_with_the_native_kernel(platform, kv_dtype):
     module = _export(runner, runner.buckets[1], platform).mlir_module()
     assert NATIVE_CALL[platform] in module
     assert ("f8E4M3FN" if kv_dtype == jnp.float8_e4m3fn else "f8E5M2") in module  # the cache's element type
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_weight_only_quantized_steps_export(platform, quant):
+    """int8 (per channel: XLA's dot on the int8 weights, the scale on the output) and 4-bit (unpacked through
+    JAX's uint4 type, the conversion fused by XLA) weight-only steps at 8B shapes lower for GPU and TPU."""
+    fmt = INT8 if quant == "int8" else QuantFormat(4, 32, True, "float16", name="q4_0")
+    plan = {role: fmt for role in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")}
+    runner, paths = _runner(LLAMA_8B, "llama-3.1-8b-h100", platform, quantization=plan)
+    module = _export(runner, runner.buckets[1], platform).mlir_module()
+    assert NATIVE_CALL[platform] in module
+    down_proj = "tensor<32x4096x14336xi8>" if quant == "int8" else "tensor<32x4096x7168xui8>"
+    assert down_proj in module  # the stacked weights arrive packed, as they are held
+    if quant == "int4":
+        assert "ui4" in module  # unpacked through the uint4 type
+    assert any("weight_scale" in p for p in paths)
 
 
 def _arg_shardings(module: str) -> list[str]:

@@ -1,0 +1,153 @@
+"""Quantized weights against llama.cpp on the same GGUF files, side by side in one run (the peer workload:
+benchmarks/peer_workload.json). For each file (the embedded Q4_1 and the Q8_0 that ../shared/peers/build_llamacpp.sh
+makes from it):
+
+- single stream: prompt 0, 128 new tokens, greedy, EOS ignored; decode tok/s after the first token (jaxllm) vs
+  ``llama-bench -t 2 -p 0 -n 128`` (avg_ts);
+- batched: the 32 prompts of 128 tokens, 128 new tokens each, generated tok/s including prefill (jaxllm's
+  offline LLM.generate) vs ``llama-batched-bench -npp 128 -ntg 128 -npl 32`` (32 x 128 / T);
+- resident weights: jaxllm's parameter bytes and RSS growth over the load, against the file's tensor bytes.
+
+jaxllm also runs the Q4_1 file dequantized to float32 (quantization="none"), the previous default. Engines
+alternate within each round, each jaxllm configuration in its own process; figures are medians over rounds.
+
+    python benchmarks/quantized.py [--rounds 3] [--json benchmarks/results/quantized_cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+WORKLOAD = Path(__file__).with_name("peer_workload.json")
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "build_llamacpp.sh"
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_jaxllm(model: str, quantization: str) -> dict:
+    """One configuration, in this process."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.loading import weight_bytes
+    from jaxllm.loading.gguf_file import GGUFFile
+
+    workload = json.loads(WORKLOAD.read_text())
+    before = rss_bytes()
+    llm = LLM(model, quantization=quantization, max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
+              max_model_len=1024)
+    engine = llm.engine
+    resident = weight_bytes(engine.model)
+    gen = workload["gen_len"]
+    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
+    batch = [{"prompt_token_ids": workload["prompts"][i]} for i in workload["batch_prompt_indices"]]
+    single = workload["prompts"][workload["single_stream_prompt_index"]]
+    llm.generate(batch[:2], params, use_tqdm=False)  # touch every code path once
+
+    def no_prefix_hits():
+        engine.block_manager.page_of_hash.clear()
+        engine.block_manager.hash_of_page.clear()
+
+    no_prefix_hits()
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    batch_tps = len(batch) * gen / (time.perf_counter() - start)
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    decode = []
+    for r in range(2):
+        no_prefix_hits()
+        engine.add_request(f"single-{r}", single, params)
+        first = None
+        while engine.has_unfinished_requests():
+            engine.step()
+            first = first or time.perf_counter()
+        decode.append((gen - 1) / (time.perf_counter() - first))
+    tensor_bytes = sum(t.nbytes for t in GGUFFile(model).tensors.values())
+    return {"single_tok_s": max(decode), "batch_tok_s": batch_tps, "weight_bytes": resident,
+            "rss_growth_bytes": None, "file_tensor_bytes": tensor_bytes, "load_rss_bytes": before,
+            "weights": engine.model.quant_plan and sorted({f.label for f in engine.model.quant_plan.values()})}
+
+
+def jaxllm_isolated(model: str, quantization: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        subprocess.run([sys.executable, __file__, "--one", model, quantization, str(out)], check=True)
+        return json.loads(out.read_text())
+
+
+def llama_single(bin_dir: Path, model: str) -> float:
+    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", "0", "-n", "128", "-r", "3",
+                          "-o", "csv"], check=True, capture_output=True, text=True).stdout
+    return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
+
+
+def llama_batched(bin_dir: Path, model: str) -> float:
+    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2", "-c", "8256",
+                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "32"],
+                         check=True, capture_output=True, text=True).stdout
+    row = [r for r in out.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", r)][0]
+    total_s = float(row.strip("|").split("|")[8])
+    return 32 * 128 / total_s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--one", nargs=3, help=argparse.SUPPRESS)  # model quantization out.json: one run, here
+    args = p.parse_args()
+    if args.one:
+        model, quantization, out = args.one
+        before = rss_bytes()
+        result = run_jaxllm(model, quantization)
+        result["rss_growth_bytes"] = None
+        result["load_rss_bytes"] = result["load_rss_bytes"] - before
+        Path(out).write_text(json.dumps(result))
+        return
+    peer_dir = Path(subprocess.run(["bash", str(PEERS)], check=True, capture_output=True, text=True).stdout.strip())
+    bin_dir, gguf = peer_dir / "bin", peer_dir / "gguf"
+    files = {"Q4_1": str(gguf / "SmolLM2-135M-Instruct.Q4_1.gguf"), "Q8_0": str(gguf / "SmolLM2-135M-Instruct.Q8_0.gguf")}
+    configs = [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_1", "none")]
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        for name, quantization in configs:
+            key = f"jaxllm {name} {'as ' + name if quantization == 'auto' else 'as float32'}"
+            runs.setdefault(key, []).append(jaxllm_isolated(files[name], quantization))
+            print(key, runs[key][-1], flush=True)
+            if quantization == "auto":
+                key = f"llama.cpp {name}"
+                runs.setdefault(key, []).append({"single_tok_s": llama_single(bin_dir, files[name]),
+                                                 "batch_tok_s": llama_batched(bin_dir, files[name])})
+                print(key, runs[key][-1], flush=True)
+    summary = {}
+    for key, rs in runs.items():
+        summary[key] = {k: statistics.median(r[k] for r in rs) for k in ("single_tok_s", "batch_tok_s")}
+        if "weight_bytes" in rs[0]:
+            summary[key].update(weight_bytes=rs[0]["weight_bytes"], file_tensor_bytes=rs[0]["file_tensor_bytes"])
+    print(f"{'engine':28s} {'single tok/s':>13s} {'batch 32 tok/s':>15s} {'weights MB':>11s}")
+    for key, s in summary.items():
+        mb = f"{s['weight_bytes'] / 1e6:11.1f}" if "weight_bytes" in s else f"{'':11s}"
+        print(f"{key:28s} {s['single_tok_s']:13.1f} {s['batch_tok_s']:15.1f} {mb}")
+    for name in files:
+        ours, peer = summary[f"jaxllm {name} as {name}"], summary[f"llama.cpp {name}"]
+        print(f"{name}: jaxllm / llama.cpp single {ours['single_tok_s'] / peer['single_tok_s']:.2f}x, batched "
+              f"{ours['batch_tok_s'] / peer['batch_tok_s']:.2f}x; weights / file tensors "
+              f"{ours['weight_bytes'] / ours['file_tensor_bytes']:.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "summary": summary, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
