@@ -118,10 +118,10 @@ def main() -> None:
         return
     peer_dir = Path(subprocess.run(["bash", str(PEERS)], check=True, capture_output=True, text=True).stdout.strip())
     bin_dir, gguf = peer_dir / "bin", peer_dir / "gguf"
-    files = {"Q4_1": str(gguf / "SmolLM2-135M-Instruct.Q4_1.gguf"), "Q8_0": str(gguf / "SmolLM2-135M-Instruct.Q8_0.gguf")}
+    files = {t: str(gguf / f"SmolLM2-135M-Instruct.{t}.gguf") for t in ("Q4_1", "Q8_0")}
     configs = [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_1", "none")]
     runs: dict[str, list[dict]] = {}
-    for r in range(args.rounds):
+    for _ in range(args.rounds):
         for name, quantization in configs:
             key = f"jaxllm {name} {'as ' + name if quantization == 'auto' else 'as float32'}"
             runs.setdefault(key, []).append(jaxllm_isolated(files[name], quantization))

@@ -68,3 +68,12 @@ def any_smollm2_llm(request):
     """Runs a test on both kernel choices."""
     name = "smollm2_llm" if request.param == "reference" else "smollm2_llm_default_kernels"
     return request.getfixturevalue(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_quantized_llm(compile_cache_dir):
+    """The same engine serving the embedded GGUF as it ships (Q4_1 layers, Q8_0 embedding), default kernels."""
+    from jaxllm import LLM
+
+    return LLM(compilation_cache_dir=compile_cache_dir, **{**ENGINE_OPTIONS, "attn_impl": "auto",
+                                                          "quantization": "auto"})

@@ -61,3 +61,45 @@ def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_synthetic_llama_gguf(path: Path, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
+                               vocab: int, weight_type: T, seed: int = 0) -> Path:
+    """A llama GGUF of random blocks of `weight_type` in every matrix (float32 norms): a large model written in
+    seconds, for memory and loading tests (its outputs are noise)."""
+    from tests.quant_blocks import random_blocks
+
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(2048)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([f"<tok{i}>" for i in range(vocab)])
+    w.add_token_types([1] * vocab)
+    w.add_eos_token_id(2)
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (hidden, hidden),
+                       f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+                       f"blk.{i}.attn_output.weight": (hidden, hidden), f"blk.{i}.ffn_gate.weight": (ffn, hidden),
+                       f"blk.{i}.ffn_up.weight": (ffn, hidden), f"blk.{i}.ffn_down.weight": (hidden, ffn)})
+    for k, (name, shape) in enumerate(shapes.items()):
+        w.add_tensor(name, random_blocks(weight_type, shape, seed + k), raw_dtype=weight_type)
+    ones = np.ones(hidden, np.float32)
+    w.add_tensor("output_norm.weight", ones)
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

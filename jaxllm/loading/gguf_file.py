@@ -139,8 +139,10 @@ class GGUFFile:
         if info.offset + info.nbytes > len(self._data):
             raise LoadError(f"{self.path}: tensor {name!r} runs past the end of the file (truncated file?)")
         raw = self._data[info.offset:info.offset + info.nbytes]
+        # Copies, not views of the mapped file: a device array may alias its host buffer (zero-copy on CPU) and
+        # would keep the whole file's mapping resident.
         if info.qtype == GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(info.shape)
+            return np.array(raw.view(np.float32).reshape(info.shape))
         if info.qtype == GGMLQuantizationType.F16:
-            return raw.view(np.float16).reshape(info.shape)
+            return np.array(raw.view(np.float16).reshape(info.shape))
         return dequantize(np.asarray(raw), info.qtype, info.shape)

@@ -2,8 +2,8 @@
 out as `pallas_kernels.quantized_matmul` reads them (``q * scale + offset``), bit-exact with
 `gguf.quants.dequantize`.
 
-- Q8_0 (int8, float16 scale per 32) and Q4_0 / Q4_1 (4-bit, float16 scale and min per 32) keep their bytes: only
-  the block headers move into the scale/offset arrays (Q4_0's ``(q - 8) d`` becomes offset ``-8 d``, exact).
+- Q8_0 (int8, float16 scale per 32), Q4_0 (4-bit ``(q - 8) d``) and Q4_1 (4-bit, float16 scale and min per 32)
+  keep their bytes: only the block headers move into the scale/offset arrays.
 - Q4_K: each 32-value sub-block is affine (``d * sc`` and ``-dmin * m``: products of a float16 and a 6-bit
   integer, exact in float32), so it is Q4_1 with float32 scales; its nibbles are reordered to Q4_1's.
 - Q5_K: affine per 32 with 5-bit values: 8-bit data. Q6_K: symmetric per 16 (``d * scale``), 6-bit values:
@@ -21,7 +21,7 @@ from pallas_kernels.quantized_matmul.format import QuantFormat, QuantizedWeight
 T = GGMLQuantizationType
 FORMATS: dict[GGMLQuantizationType, QuantFormat] = {
     T.Q8_0: QuantFormat(8, 32, False, "float16", name="q8_0"),
-    T.Q4_0: QuantFormat(4, 32, True, "float16", name="q4_0"),
+    T.Q4_0: QuantFormat(4, 32, False, "float16", name="q4_0"),
     T.Q4_1: QuantFormat(4, 32, True, "float16", name="q4_1"),
     T.Q4_K: QuantFormat(4, 32, True, "float32", name="q4_k"),
     T.Q5_K: QuantFormat(8, 32, True, "float32", name="q5_k"),
@@ -65,8 +65,7 @@ def repack(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...])
     if qtype == T.Q8_0:
         data, scale = blocks[:, 2:].view(np.int8), _f16(blocks, 0)
     elif qtype == T.Q4_0:
-        d = _f16(blocks, 0)
-        data, scale, offset = blocks[:, 2:], d, (d.astype(np.float32) * -8).astype(np.float16)
+        data, scale = blocks[:, 2:], _f16(blocks, 0)
     elif qtype == T.Q4_1:
         data, scale, offset = blocks[:, 4:], _f16(blocks, 0), _f16(blocks, 2)
     elif qtype == T.Q4_K:

@@ -25,11 +25,12 @@ class HostQuantized:
 
 
 def values(w: QuantizedWeight, fmt: QuantFormat) -> np.ndarray:
-    """The integer values [..., in] as int8 (4-bit data unpacked into input order)."""
+    """The integer values [..., in] as int8 (4-bit data unpacked into input order; symmetric 4-bit centred)."""
     if fmt.bits == 8:
         return w.data
     d = w.data.reshape(*w.data.shape[:-1], -1, GROUP_4BIT // 2)
-    return np.concatenate([d & 0x0F, d >> 4], axis=-1).reshape(*w.data.shape[:-1], -1).view(np.int8)
+    q = np.concatenate([d & 0x0F, d >> 4], axis=-1).reshape(*w.data.shape[:-1], -1).view(np.int8)
+    return q if fmt.affine else q - np.int8(8)
 
 
 def dequantize(w: QuantizedWeight, fmt: QuantFormat) -> np.ndarray:

@@ -59,12 +59,13 @@ def _as_float(v):
 
 @numba.njit(inline="always", **_KW)
 def _row_q4(data, scale, offset, r, w, k):
-    """w[k] = 4-bit weight row r in float32 (16 bytes per 32-value group, low nibbles first)."""
+    """w[k] = 4-bit weight row r in float32 (16 bytes per 32-value group, low nibbles first; without offsets the
+    values are centred on 8)."""
     affine = offset.shape[1] > 0
     half = data.shape[1] // scale.shape[1]  # 16, read at run time: a loop LLVM vectorizes, not one it unrolls
     for g in range(scale.shape[1]):
         s = as_float(scale[r, g])
-        o = as_float(offset[r, g]) if affine else np.float32(0.0)
+        o = as_float(offset[r, g]) if affine else s * np.float32(-8.0)  # symmetric: (q - 8) s, exactly
         src = data[r, g * half:(g + 1) * half]
         low = w[k, 2 * g * half:(2 * g + 1) * half]
         high = w[k, (2 * g + 1) * half:(2 * g + 2) * half]

@@ -6,7 +6,8 @@
   two runs of 16 consecutive inputs);
 - ``scale``: ``[out, in // group]`` float16 or float32;
 - ``offset``: like ``scale``, affine formats only.
-Value ``i`` of row ``r`` is ``q[r, i] * scale[r, i // group] + offset[r, i // group]``.
+Value ``i`` of row ``r`` is ``q[r, i] * scale[r, i // group] + offset[r, i // group]``; symmetric 4-bit data
+(no offset) is centred on 8: ``(q[r, i] - 8) * scale[r, i // group]`` (GGUF's Q4_0).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ class QuantFormat:
     def __post_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"quantized weights are 4- or 8-bit, not {self.bits}-bit")
-        if self.bits == 4 and (self.group != GROUP_4BIT or not self.affine):
-            raise ValueError("4-bit weights are affine in groups of 32")
+        if self.bits == 4 and self.group != GROUP_4BIT:
+            raise ValueError("4-bit weights are grouped by 32")
         if self.group < 0 or (self.group and self.group % 16):
             raise ValueError(f"group must be 0 (per channel) or a multiple of 16, not {self.group}")
         if self.scale_dtype not in ("float16", "float32"):

@@ -27,6 +27,8 @@ def dequantize(w: QuantizedWeight, fmt: QuantFormat, dtype=jnp.float32) -> jax.A
     *lead, out, n = q.shape
     groups = w.scale.shape[-1]
     q = q.astype(jnp.float32).reshape(*lead, out, groups, n // groups)
+    if fmt.bits == 4 and w.offset is None:
+        q = q - 8.0  # symmetric 4-bit: centred on 8
     v = q * w.scale.astype(jnp.float32)[..., None]
     if w.offset is not None:
         v = v + w.offset.astype(jnp.float32)[..., None]

@@ -87,7 +87,7 @@ def test_a_float8_kv_cache_exports_with_the_native_kernel(platform, kv_dtype):
 def test_weight_only_quantized_steps_export(platform, quant):
     """int8 (per channel: XLA's dot on the int8 weights, the scale on the output) and 4-bit (unpacked through
     JAX's uint4 type, the conversion fused by XLA) weight-only steps at 8B shapes lower for GPU and TPU."""
-    fmt = INT8 if quant == "int8" else QuantFormat(4, 32, True, "float16", name="q4_0")
+    fmt = INT8 if quant == "int8" else QuantFormat(4, 32, True, "float16", name="q4_1")
     plan = {role: fmt for role in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")}
     runner, paths = _runner(LLAMA_8B, "llama-3.1-8b-h100", platform, quantization=plan)
     module = _export(runner, runner.buckets[1], platform).mlir_module()
