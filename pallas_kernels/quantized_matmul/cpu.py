@@ -29,7 +29,7 @@ def register() -> None:
 
 def applies(x: jax.Array) -> bool:
     rows = int(np.prod(x.shape[:-1]))
-    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS
+    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and x.shape[-1] % 32 == 0  # pairs of 16-value chunks
 
 
 def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G], [L, out, G or 0], [] -> [T, out]

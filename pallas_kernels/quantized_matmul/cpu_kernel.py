@@ -1,18 +1,21 @@
-"""The CPU quantized-matmul kernel: numba loops over blocks of 4 weight rows.
+"""The CPU quantized-matmul kernel: numba loops over blocks of 4 weight rows, their inner loops written as LLVM IR
+on 16-float vectors.
 
-Each block's rows are dequantized into float32 in L1 (``q * scale + offset``, what the reference computes) and
-then dotted with every input row, 4 rows at a time so each input load feeds 4 FMAs, exactly as the float32
-skinny kernel does. Memory traffic is the packed weights (4.5-8.5 bits a value instead of 32); each output
-element is one fixed-order dot product of one dequantized weight row and one input row, so a row's result does
-not depend on how many rows the step has or how they are split between threads (batch invariance)."""
+A decode step (one input row) dequantizes each chunk of 16 weights in registers and feeds it straight into the
+dot product, 4 rows sharing each input load; a step with more rows dequantizes each block of 4 rows into a
+float32 buffer in L1 once and dots every input row with it. Memory traffic is the packed weights (4.5-8.5 bits a
+value instead of 32). Both paths run the same operations in the same order (see the IR section), so a row's
+result does not depend on how many rows the step has or how they are split between threads (batch
+invariance)."""
 
 from __future__ import annotations
 
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import carray, types
-from numba.extending import intrinsic, overload
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from pallas_kernels.cpu_ffi import drop_stale_cache
 
@@ -27,157 +30,295 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     launch,
     load32,
     load64,
+    prefetch,
     symbol,
     to_int,
     to_ptr,
 )
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
-GROUP_4BIT = 32
 # XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernel dispatches on
 S8, U8, U16, F32 = 2, 6, 7, 11
 
 
-@intrinsic
-def _half_to_float(typingctx, bits):
-    """float16 bits (uint16) -> float32 (one vcvtph2ps with F16C)."""
-    def codegen(context, builder, sig, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-    return types.float32(types.uint16), codegen
+# -- the inner loops, as LLVM IR on explicit 16-float vectors
+# Each weight row is read in pairs of 16-value chunks: chunk 2p accumulates into one vector, chunk 2p + 1 into
+# another, both with llvm.fma (one rounding, no fast-math reassociation); the two vectors are added and summed by
+# a fixed tree at the end. A value of W is fma(q, scale, offset) (offset -8 * scale for symmetric 4-bit data, so
+# (q - 8) * scale exactly). The decode path (one input row) dequantizes chunks in registers; the batched path
+# dequantizes a block of rows into a float32 buffer once and dots each input row with it; both run these exact
+# operations in this order, so every output is bit-identical whichever path, batch size or thread computes it.
+_F32, _I8, _I16, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(64)
+_V = ir.VectorType(_F32, 16)
+_VI8 = ir.VectorType(_I8, 16)
 
 
-def as_float(v):  # float16 bits or float32 -> float32 (numba has no float16 type)
-    raise NotImplementedError
+def _at(b, addr, ty, offset=0):
+    a = b.add(addr, ir.Constant(_I64, offset)) if isinstance(offset, int) and offset else \
+        (addr if isinstance(offset, int) else b.add(addr, offset))
+    return b.inttoptr(a, ty.as_pointer())
 
 
-@overload(as_float, inline="always")
-def _as_float(v):
-    if v == types.uint16:
-        return lambda v: _half_to_float(v)
-    return lambda v: np.float32(v)
+def _load(b, addr, ty, offset=0):
+    return b.load(_at(b, addr, ty, offset), align=1 if ty in (_VI8, _I8, _I16) else 4)
 
 
-@numba.njit(inline="always", **_KW)
-def _row_q4(data, scale, offset, r, w, k):
-    """w[k] = 4-bit weight row r in float32 (16 bytes per 32-value group, low nibbles first; without offsets the
-    values are centred on 8)."""
-    affine = offset.shape[1] > 0
-    half = data.shape[1] // scale.shape[1]  # 16, read at run time: a loop LLVM vectorizes, not one it unrolls
-    for g in range(scale.shape[1]):
-        s = as_float(scale[r, g])
-        o = as_float(offset[r, g]) if affine else s * np.float32(-8.0)  # symmetric: (q - 8) s, exactly
-        src = data[r, g * half:(g + 1) * half]
-        low = w[k, 2 * g * half:(2 * g + 1) * half]
-        high = w[k, (2 * g + 1) * half:(2 * g + 2) * half]
-        for j in range(half):
-            # Nibbles split in float32 (exact for 0-255): numba widens integer arithmetic to int64, which
-            # vectorizes at half the width.
-            b = np.float32(src[j])
-            hi = np.floor(b * np.float32(0.0625))
-            low[j] = (b - hi * np.float32(16.0)) * s + o
-            high[j] = hi * s + o
+def _splat(b, v):
+    vec = b.insert_element(ir.Constant(_V, None), v, ir.Constant(ir.IntType(32), 0))
+    return b.shuffle_vector(vec, ir.Constant(_V, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
 
-@numba.njit(inline="always", **_KW)
-def _row_q8(data, scale, offset, r, w, k):
-    """w[k] = 8-bit weight row r in float32."""
-    affine = offset.shape[1] > 0
-    groups = scale.shape[1]
-    size = data.shape[1] // groups
-    for g in range(groups):
-        s = as_float(scale[r, g])
-        o = as_float(offset[r, g]) if affine else np.float32(0.0)
-        for j in range(size):
-            w[k, g * size + j] = np.float32(data[r, g * size + j]) * s + o
+def _fma(b, x, y, z):
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
+    return b.call(fn, [x, y, z])
 
 
-@numba.njit(inline="always", **_KW)
-def _dot4(x, w, y, r):
-    """y[:, r:r+4] = x @ w[0:4].T; each input load feeds 4 FMAs."""
-    n = w.shape[1]
-    for tok in range(x.shape[0]):
-        a0 = np.float32(0.0)
-        a1 = np.float32(0.0)
-        a2 = np.float32(0.0)
-        a3 = np.float32(0.0)
-        for i in range(n):
-            xi = x[tok, i]
-            a0 += w[0, i] * xi
-            a1 += w[1, i] * xi
-            a2 += w[2, i] * xi
-            a3 += w[3, i] * xi
-        y[tok, r] = a0
-        y[tok, r + 1] = a1
-        y[tok, r + 2] = a2
-        y[tok, r + 3] = a3
+def _scalar(b, addr, half):
+    """The scale (or offset) at addr: float16 bits or float32 -> float."""
+    if half:
+        return b.fpext(b.bitcast(_load(b, addr, _I16), ir.HalfType()), _F32)
+    return _load(b, addr, _F32)
 
 
-@numba.njit(inline="always", **_KW)
-def _dot1(x, w, y, r):
-    for tok in range(x.shape[0]):
-        a = np.float32(0.0)
-        for i in range(w.shape[1]):
-            a += w[0, i] * x[tok, i]
-        y[tok, r] = a
+def _hsum(b, v):
+    """A fixed-order sum of the 16 lanes: halves added until one lane is left."""
+    i32 = ir.IntType(32)
+    width = 16
+    while width > 1:
+        width //= 2
+        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
+        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
+        v = b.fadd(lo, hi)
+    return b.extract_element(v, ir.Constant(i32, 0))
 
 
-def _rows(row):
-    """The loop over output rows, for one way of dequantizing a row (`_row_q4`, `_row_q8`)."""
-    def matmul_rows(x, data, scale, offset, y, r0, r1):
-        w = np.empty((4, x.shape[1]), np.float32)
-        r = r0
-        while r + 4 <= r1:
-            for k in range(4):
-                row(data, scale, offset, r + k, w, k)
-            _dot4(x, w, y, r)
-            r += 4
-        while r < r1:
-            row(data, scale, offset, r, w, 0)
-            _dot1(x, w[:1], y, r)
-            r += 1
+def _for(b, count, carried, body):
+    """for i in range(count): carried = body(i, carried); returns the final carried values."""
+    pre = b.block
+    head, loop, done = (b.append_basic_block(name) for name in ("head", "loop", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(_I64)
+    i.add_incoming(ir.Constant(_I64, 0), pre)
+    phis = []
+    for v in carried:
+        phi = b.phi(v.type)
+        phi.add_incoming(v, pre)
+        phis.append(phi)
+    b.cbranch(b.icmp_signed("<", i, count), loop, done)
+    b.position_at_end(loop)
+    new = body(i, phis)
+    i.add_incoming(b.add(i, ir.Constant(_I64, 1)), b.block)
+    for phi, v in zip(phis, new, strict=True):
+        phi.add_incoming(v, b.block)
+    b.branch(head)
+    b.position_at_end(done)
+    return phis
+
+
+def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group):
+    """Values of chunks 2p and 2p + 1 of one row (two <16 x float>). data/scale/offset: the row's addresses;
+    group: values per scale (8-bit; 4-bit data has one scale per pair)."""
+    size = 2 if half else 4
+    if bits == 4:
+        raw = _load(b, data, _VI8, b.mul(p, ir.Constant(_I64, 16)))
+        q0 = b.uitofp(b.and_(raw, ir.Constant(_VI8, [15] * 16)), _V)
+        q1 = b.uitofp(b.lshr(raw, ir.Constant(_VI8, [4] * 16)), _V)
+        idx = (p, p)
+    else:
+        at = b.mul(p, ir.Constant(_I64, 32))
+        q0 = b.sitofp(_load(b, data, _VI8, at), _V)
+        q1 = b.sitofp(_load(b, data, _VI8, b.add(at, ir.Constant(_I64, 16))), _V)
+        idx = (b.udiv(at, group), b.udiv(b.add(at, ir.Constant(_I64, 16)), group))
+    out = []
+    for q, g in zip((q0, q1), idx, strict=True):
+        sc = _scalar_at(b, scale, g, size, half)
+        if affine:
+            off = _scalar_at(b, offset, g, size, half)
+        elif bits == 4:
+            off = b.fmul(sc, ir.Constant(_F32, -8.0))
+        else:
+            off = ir.Constant(_F32, 0.0)
+        out.append(_fma(b, q, _splat(b, sc), _splat(b, off)))
+    return out
+
+
+def _scalar_at(b, base, index, size, half):
+    return _scalar(b, b.add(base, b.mul(index, ir.Constant(_I64, size))), half)
+
+
+def _dots(b, rows, x, n, y, chunk_pair):
+    """y[k] = sum over n values of row k x for k < rows; chunk_pair(p, k) -> row k's two chunk vectors."""
+    zero = ir.Constant(_V, [0.0] * 16)
+
+    def body(p, accs):
+        at = b.mul(p, ir.Constant(_I64, 128))  # 32 floats
+        x0, x1 = _load(b, x, _V, at), _load(b, x, _V, b.add(at, ir.Constant(_I64, 64)))
+        out = []
+        for k in range(rows):
+            w0, w1 = chunk_pair(p, k)
+            out += [_fma(b, w0, x0, accs[2 * k]), _fma(b, w1, x1, accs[2 * k + 1])]
+        return out
+
+    accs = _for(b, b.udiv(n, ir.Constant(_I64, 32)), [zero] * (2 * rows), body)
+    for k in range(rows):
+        b.store(_hsum(b, b.fadd(accs[2 * k], accs[2 * k + 1])), _at(b, y, _F32, 4 * k))
+
+
+def _dot_buffer(rows):
+    @intrinsic
+    def dot(typingctx, w, stride, x, n, y):
+        """y[0:rows] (float32 at address y) = rows of float32 w (stride bytes apart) . x, over n values."""
+        def codegen(context, b, sig, args):
+            w, stride, x, n, y = args
+            _dots(b, rows, x, n, y, lambda p, k: [
+                _load(b, w, _V, b.add(b.mul(ir.Constant(_I64, k), stride), b.add(b.mul(p, ir.Constant(_I64, 128)),
+                                                                                ir.Constant(_I64, 64 * j))))
+                for j in (0, 1)])
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 5), codegen
+    return dot
+
+
+_dot4_buffer, _dot1_buffer = _dot_buffer(4), _dot_buffer(1)
+
+
+def _dot_quantized(bits, half, affine):
+    @intrinsic
+    def dot(typingctx, data, data_stride, scale, offset, scale_stride, x, n, group, y):
+        """y[0:4] = 4 quantized rows (data/scale/offset row strides in bytes) . x, over n values."""
+        def codegen(context, b, sig, args):
+            data, data_stride, scale, offset, scale_stride, x, n, group, y = args
+
+            def pair(p, k):
+                kk = ir.Constant(_I64, k)
+                return _chunk_pair(b, bits, half, affine, b.add(data, b.mul(kk, data_stride)),
+                                   b.add(scale, b.mul(kk, scale_stride)), b.add(offset, b.mul(kk, scale_stride)),
+                                   p, group)
+            _dots(b, 4, x, n, y, pair)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 9), codegen
+    return dot
+
+
+def _dequantize(bits, half, affine):
+    @intrinsic
+    def dequantize(typingctx, data, scale, offset, n, group, w):
+        """w (n float32 at address w) = one quantized row, as the quantized dot computes its values."""
+        def codegen(context, b, sig, args):
+            data, scale, offset, n, group, w = args
+
+            def body(p, carried):
+                w0, w1 = _chunk_pair(b, bits, half, affine, data, scale, offset, p, group)
+                at = b.mul(p, ir.Constant(_I64, 128))
+                b.store(w0, _at(b, w, _V, at), align=4)
+                b.store(w1, _at(b, w, _V, b.add(at, ir.Constant(_I64, 64))), align=4)
+                return []
+            _for(b, b.udiv(n, ir.Constant(_I64, 32)), [], body)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 6), codegen
+    return dequantize
+
+
+PREFETCH_ROWS = 16
+
+
+def _rows(bits, half):
+    """The loop over a chunk's output rows for one data layout (4- or 8-bit, float16 or float32 scales)."""
+    dot = {a: _dot_quantized(bits, half, a) for a in (False, True)}
+    deq = {a: _dequantize(bits, half, a) for a in (False, True)}
+    dot_sym, dot_aff, deq_sym, deq_aff = dot[False], dot[True], deq[False], deq[True]
+
+    def matmul_rows(x, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1):
+        """y[:, r0:r1] = x @ dequantize(W)[r0:r1].T (addresses; x [t, n], data [o, p] bytes, scale and offset
+        [o, groups] / [o, offset_groups] float16 bits or float32, y [t, o])."""
+        size = 2 if half else 4
+        group = n // groups
+        affine = offset_groups > 0
+        if t == 1:  # decode: dequantized in registers, 4 rows at a time
+            r = r0
+            while r + 4 <= r1:
+                ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
+                if ahead + 4 <= o:
+                    for line in range(data + ahead * p, data + (ahead + 4) * p, 64):
+                        prefetch(line)
+                    for line in range(scale + ahead * groups * size, scale + (ahead + 4) * groups * size, 64):
+                        prefetch(line)
+                    for line in range(offset + ahead * offset_groups * size,
+                                      offset + (ahead + 4) * offset_groups * size, 64):
+                        prefetch(line)
+                args = (data + r * p, p, scale + r * groups * size, offset + r * offset_groups * size,
+                        groups * size, x, n, group, y + 4 * r)
+                if affine:
+                    dot_aff(*args)
+                else:
+                    dot_sym(*args)
+                r += 4
+            start = r
+        else:
+            start = r0
+        if start == r1:
+            return
+        buf = np.empty((4, n), np.float32)
+        w = buf.ctypes.data
+        r = start
+        while r < r1:  # every row here (batches; a decode step's last rows): dequantized once, dotted per input
+            rows = min(4, r1 - r)
+            for k in range(rows):
+                rk = r + k
+                args = (data + rk * p, scale + rk * groups * size, offset + rk * offset_groups * size, n, group,
+                        w + 4 * n * k)
+                if affine:
+                    deq_aff(*args)
+                else:
+                    deq_sym(*args)
+            for tok in range(t):
+                if rows == 4:
+                    _dot4_buffer(w, 4 * n, x + 4 * n * tok, n, y + 4 * (tok * o + r))
+                else:
+                    for k in range(rows):
+                        _dot1_buffer(w + 4 * n * k, 4 * n, x + 4 * n * tok, n, y + 4 * (tok * o + r + k))
+            r += rows
     return matmul_rows
 
 
-# y[:, r0:r1] = x @ dequantize(W)[r0:r1].T. x [T, in]; data [out, in or in / 2]; scale [out, groups]; offset
-# [out, groups] or [out, 0] (symmetric); y [T, out]. Two module-level functions, so numba caches them.
-matmul_rows_q4 = numba.njit(**_KW)(_rows(_row_q4))
-matmul_rows_q8 = numba.njit(**_KW)(_rows(_row_q8))
+# Module-level functions (one per data layout), so numba caches them.
+matmul_rows_q4_f16 = numba.njit(**_KW)(_rows(4, True))
+matmul_rows_q4_f32 = numba.njit(**_KW)(_rows(4, False))
+matmul_rows_q8_f16 = numba.njit(**_KW)(_rows(8, True))
+matmul_rows_q8_f32 = numba.njit(**_KW)(_rows(8, False))
 
 
 ROWS_PER_CHUNK = 16
 
 
 @numba.njit(inline="always", **_KW)
-def _chunk_args(words, chunk, data_type, scale_type):
-    t, n, o = load64(words + 40), load64(words + 48), load64(words + 56)
-    p, groups, offset_groups = load64(words + 64), load64(words + 72), load64(words + 80)
-    x = carray(to_ptr(load64(words)), (t, n), dtype=np.float32)
-    data = carray(to_ptr(load64(words + 8)), (o, p), dtype=data_type)
-    scale = carray(to_ptr(load64(words + 16)), (o, groups), dtype=scale_type)
-    offset = carray(to_ptr(load64(words + 24)), (o, offset_groups), dtype=scale_type)
-    y = carray(to_ptr(load64(words + 32)), (t, o), dtype=np.float32)
+def _chunk_args(words, chunk):
+    o = load64(words + 56)
     r0 = chunk * ROWS_PER_CHUNK
-    return x, data, scale, offset, y, r0, min(o, r0 + ROWS_PER_CHUNK)
+    return (load64(words), load64(words + 8), load64(words + 16), load64(words + 24), load64(words + 32),
+            load64(words + 40), load64(words + 48), o, load64(words + 64), load64(words + 72), load64(words + 80),
+            r0, min(o, r0 + ROWS_PER_CHUNK))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
 def _chunk_q4_f16(words, chunk):
-    matmul_rows_q4(*_chunk_args(words, chunk, np.uint8, np.uint16))
+    matmul_rows_q4_f16(*_chunk_args(words, chunk))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
 def _chunk_q4_f32(words, chunk):
-    matmul_rows_q4(*_chunk_args(words, chunk, np.uint8, np.float32))
+    matmul_rows_q4_f32(*_chunk_args(words, chunk))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
 def _chunk_q8_f16(words, chunk):
-    matmul_rows_q8(*_chunk_args(words, chunk, np.int8, np.uint16))
+    matmul_rows_q8_f16(*_chunk_args(words, chunk))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
 def _chunk_q8_f32(words, chunk):
-    matmul_rows_q8(*_chunk_args(words, chunk, np.int8, np.float32))
+    matmul_rows_q8_f32(*_chunk_args(words, chunk))
 
 
 for _name, _fn in (("q4_f16", _chunk_q4_f16), ("q4_f32", _chunk_q4_f32), ("q8_f16", _chunk_q8_f16),
