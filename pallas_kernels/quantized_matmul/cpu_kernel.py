@@ -38,7 +38,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 # XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernel dispatches on
-S8, U8, U16, F32 = 2, 6, 7, 11
+S8, U8, F16, F32 = 2, 6, 10, 11
 
 
 # -- the inner loops, as LLVM IR on explicit 16-float vectors
@@ -118,7 +118,7 @@ def _for(b, count, carried, body):
 
 def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group):
     """Values of chunks 2p and 2p + 1 of one row (two <16 x float>). data/scale/offset: the row's addresses;
-    group: values per scale (8-bit; 4-bit data has one scale per pair)."""
+    group: log2 of the values per scale, 63 for one scale per row (8-bit; 4-bit data has one scale per pair)."""
     size = 2 if half else 4
     if bits == 4:
         raw = _load(b, data, _VI8, b.mul(p, ir.Constant(_I64, 16)))
@@ -129,7 +129,7 @@ def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group):
         at = b.mul(p, ir.Constant(_I64, 32))
         q0 = b.sitofp(_load(b, data, _VI8, at), _V)
         q1 = b.sitofp(_load(b, data, _VI8, b.add(at, ir.Constant(_I64, 16))), _V)
-        idx = (b.udiv(at, group), b.udiv(b.add(at, ir.Constant(_I64, 16)), group))
+        idx = (b.lshr(at, group), b.lshr(b.add(at, ir.Constant(_I64, 16)), group))
     out = []
     for q, g in zip((q0, q1), idx, strict=True):
         sc = _scalar_at(b, scale, g, size, half)
@@ -233,7 +233,11 @@ def _rows(bits, half):
         """y[:, r0:r1] = x @ dequantize(W)[r0:r1].T (addresses; x [t, n], data [o, p] bytes, scale and offset
         [o, groups] / [o, offset_groups] float16 bits or float32, y [t, o])."""
         size = 2 if half else 4
-        group = n // groups
+        group = 63  # log2 of the values per scale (a shift, not a division, per chunk); 63: one scale per row
+        if groups > 1:
+            group = 0
+            while (1 << group) < n // groups:
+                group += 1
         affine = offset_groups > 0
         if t == 1:  # decode: dequantized in registers, 4 rows at a time
             r = r0
@@ -338,9 +342,9 @@ def _dtype(frame, i):
 
 @numba.njit(**_KW)
 def _execute(frame):
-    """The FFI call: inputs (x [T, in] f32, data [L, out, in or in / 2] u8/s8, scale [L, out, G] u16 (float16
-    bits) or f32, offset [L, out, G or 0] like scale, layer [] s32); output y [T, out] = x @ dequantize(W[layer]).T.
-    The layer index is clamped into range, as XLA clamps a dynamic slice's."""
+    """The FFI call: inputs (x [T, in] f32, data [L, out, in or in / 2] u8/s8, scale [L, out, G] f16 or f32,
+    offset [L, out, G or 0] like scale, layer [] s32); output y [T, out] = x @ dequantize(W[layer]).T. The layer
+    index is clamped into range, as XLA clamps a dynamic slice's."""
     x_p, x_d = buffer(frame, 0)
     d_p, d_d = buffer(frame, 1)
     s_p, s_d = buffer(frame, 2)
@@ -350,7 +354,7 @@ def _execute(frame):
     t, n = dim(x_d, 0), dim(x_d, 1)
     o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
     layer = min(max(np.int64(load32(layer_p)), 0), dim(d_d, 0) - 1)
-    scale_size = 2 if _dtype(frame, 2) == U16 else 4
+    scale_size = 2 if _dtype(frame, 2) == F16 else 4
     d_p += layer * o * p
     s_p += layer * o * groups * scale_size
     o_p += layer * o * offset_groups * scale_size

@@ -35,8 +35,8 @@ class QuantFormat:
             raise ValueError(f"quantized weights are 4- or 8-bit, not {self.bits}-bit")
         if self.bits == 4 and self.group != GROUP_4BIT:
             raise ValueError("4-bit weights are grouped by 32")
-        if self.group < 0 or (self.group and self.group % 16):
-            raise ValueError(f"group must be 0 (per channel) or a multiple of 16, not {self.group}")
+        if self.group < 0 or (self.group and (self.group < 16 or self.group & (self.group - 1))):
+            raise ValueError(f"group must be 0 (per channel) or a power of two >= 16, not {self.group}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be float16 or float32, not {self.scale_dtype!r}")
 
