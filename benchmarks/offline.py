@@ -24,7 +24,8 @@ WORKLOAD = Path(__file__).with_name("peer_workload.json")
 def run_jaxllm(workload: dict, rounds: int) -> dict:
     from jaxllm import LLM, SamplingParams
 
-    llm = LLM(preset="smollm2-cpu", max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
+    # float32 weights (the GGUF dequantized), as before quantized serving: benchmarks/quantized.py times those
+    llm = LLM(preset="smollm2-cpu", quantization="none", max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
               max_model_len=1024)
     gen = workload["gen_len"]
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)

@@ -6,7 +6,8 @@ makes from it):
   ``llama-bench -t 2 -p 0 -n 128`` (avg_ts);
 - batched: the 32 prompts of 128 tokens, 128 new tokens each, generated tok/s including prefill (jaxllm's
   offline LLM.generate) vs ``llama-batched-bench -npp 128 -ntg 128 -npl 32`` (32 x 128 / T);
-- resident weights: jaxllm's parameter bytes and RSS growth over the load, against the file's tensor bytes.
+- resident weights: jaxllm's parameter bytes against the file's tensor bytes (RSS over a load:
+  tests/loading/test_quantized_memory.py).
 
 jaxllm also runs the Q4_1 file dequantized to float32 (quantization="none"), the previous default. Engines
 alternate within each round, each jaxllm configuration in its own process; figures are medians over rounds.
@@ -20,7 +21,6 @@ import argparse
 import csv
 import io
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -33,11 +33,6 @@ WORKLOAD = Path(__file__).with_name("peer_workload.json")
 PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "build_llamacpp.sh"
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def run_jaxllm(model: str, quantization: str) -> dict:
     """One configuration, in this process."""
     from jaxllm import LLM, SamplingParams
@@ -45,7 +40,6 @@ def run_jaxllm(model: str, quantization: str) -> dict:
     from jaxllm.loading.gguf_file import GGUFFile
 
     workload = json.loads(WORKLOAD.read_text())
-    before = rss_bytes()
     llm = LLM(model, quantization=quantization, max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
               max_model_len=1024)
     engine = llm.engine
@@ -76,8 +70,7 @@ def run_jaxllm(model: str, quantization: str) -> dict:
         decode.append((gen - 1) / (time.perf_counter() - first))
     tensor_bytes = sum(t.nbytes for t in GGUFFile(model).tensors.values())
     return {"single_tok_s": max(decode), "batch_tok_s": batch_tps, "weight_bytes": resident,
-            "rss_growth_bytes": None, "file_tensor_bytes": tensor_bytes, "load_rss_bytes": before,
-            "weights": engine.model.quant_plan and sorted({f.label for f in engine.model.quant_plan.values()})}
+            "file_tensor_bytes": tensor_bytes, "weights": sorted({f.label for f in engine.model.quant_plan.values()})}
 
 
 def jaxllm_isolated(model: str, quantization: str) -> dict:
@@ -110,11 +103,7 @@ def main() -> None:
     args = p.parse_args()
     if args.one:
         model, quantization, out = args.one
-        before = rss_bytes()
-        result = run_jaxllm(model, quantization)
-        result["rss_growth_bytes"] = None
-        result["load_rss_bytes"] = result["load_rss_bytes"] - before
-        Path(out).write_text(json.dumps(result))
+        Path(out).write_text(json.dumps(run_jaxllm(model, quantization)))
         return
     peer_dir = Path(subprocess.run(["bash", str(PEERS)], check=True, capture_output=True, text=True).stdout.strip())
     bin_dir, gguf = peer_dir / "bin", peer_dir / "gguf"

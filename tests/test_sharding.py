@@ -64,3 +64,17 @@ def test_a_pallas_kernel_under_tensor_parallel_runs_per_device(tiny_model_dir):
     lm = load_model(folder, dtype="float32", attn_impl="pallas_tpu", tensor_parallel_size=2)
     assert lm.model.kernels.mesh is lm.mesh and lm.model.kernels.interpret
     np.testing.assert_allclose(_logits(lm, ids)[1], single, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
+def test_int8_weights_under_tensor_parallel(tiny_model_dir):
+    """Quantized weights shard like float ones (values and scales split along the same axes); GSPMD runs the
+    reference quantized matmul per device."""
+    folder, _ = tiny_model_dir("qwen2_tp")
+    ids = np.random.default_rng(2).integers(0, 1024, (2, 9))
+    single = _logits(load_model(folder, dtype="float32", quantization="int8", tensor_parallel_size=1), ids)
+    lm = load_model(folder, dtype="float32", quantization="int8", tensor_parallel_size=2)
+    down = lm.model.layers.layer.mlp.down_proj
+    assert down.weight[...].dtype == jnp.int8 and len(down.weight[...].sharding.device_set) == 2
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
