@@ -41,3 +41,21 @@ def test_orbax_round_trip_in_new_process(tmp_path):
     expected = np.asarray(lm.model(jnp.asarray(PROBE)))
     np.testing.assert_array_equal(np.load(tmp_path / "logits.npy"), expected)
     assert result["chat"] == lm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_a_quantized_checkpoint_keeps_its_formats(tmp_path):
+    import pytest
+
+    from jaxllm.loading import LoadError
+    from jaxllm.loading.checkpoint import QUANT_FILE
+
+    lm = load_model(None, load_tokenizer_too=False)  # the GGUF's Q4_1 / Q8_0, kept
+    assert lm.model.quant_plan
+    save_checkpoint(lm.model, tmp_path / "q")
+    assert (tmp_path / "q" / QUANT_FILE).is_file()
+    back = load_model(tmp_path / "q", load_tokenizer_too=False)
+    assert back.model.quant_plan == lm.model.quant_plan
+    assert back.model.layers.layer.mlp.down_proj.weight[...].dtype == jnp.uint8  # packed, not expanded
+    np.testing.assert_array_equal(np.asarray(back.model(jnp.asarray(PROBE))), np.asarray(lm.model(jnp.asarray(PROBE))))
+    with pytest.raises(LoadError, match="restored as it was saved"):
+        load_model(tmp_path / "q", quantization="int8")
