@@ -94,5 +94,6 @@ def test_int8_keeps_perplexity_and_greedy_outputs(compile_cache_dir, smollm2_llm
         print(f"\nint8 vs float32: perplexity {ppl_int8:.4f} vs {ppl_f32:.4f}; greedy: {same}/16 prompts identical "
               f"over 64 tokens, first difference after {sorted(prefix)} tokens")
     assert abs(ppl_int8 - ppl_f32) <= 0.01 * ppl_f32
-    # A 135M model's greedy path flips on small logit changes, then diverges: most prompts agree for a while.
-    assert np.median(prefix) >= 8 and same >= 1
+    # A 135M model's greedy path flips on small logit changes, then diverges (how many prompts survive all 64
+    # tokens depends on the step shapes: 2/16 with 128-token steps, 0/16 with 64): most agree for a while.
+    assert np.median(prefix) >= 8
