@@ -101,10 +101,6 @@ def _role(path: tuple) -> str | None:
     return str(path[-2]) if path[-1] == "weight" and len(path) > 1 else None
 
 
-def _logical_shape(value) -> tuple[int, ...]:
-    return tuple(value.shape)
-
-
 def _expand(path: tuple, value) -> list[tuple[tuple, np.ndarray]]:
     """A prepared tensor -> the variables it fills: a float array its own; quantized weights their values, scale
     and offset (``weight``, ``weight_scale``, ``weight_offset``)."""
@@ -116,11 +112,12 @@ def _expand(path: tuple, value) -> list[tuple[tuple, np.ndarray]]:
     return out
 
 
-def _placeholder(fmt):
-    """Something `_expand` maps to the variables a weight of format `fmt` (None: float) fills."""
+def _variables(path: tuple, fmt) -> list[tuple]:
+    """The variables a weight of format `fmt` (None: float) fills, as `_expand` names them."""
     if fmt is None:
-        return None
-    return QuantizedWeight(None, None, True if fmt.affine else None)
+        return [path]
+    suffixes = ("", "_scale", "_offset") if fmt.affine else ("", "_scale")
+    return [(*path[:-1], f"{path[-1]}{suffix}") for suffix in suffixes]
 
 
 def assemble_model(
@@ -176,8 +173,8 @@ def assemble_model(
             loaded.add(p)
 
     def check(name, source, array, expected):
-        if _logical_shape(array) != expected:
-            raise LoadError(f"{source}: tensor {name!r} has shape {_logical_shape(array)}, but the config implies "
+        if tuple(array.shape) != expected:
+            raise LoadError(f"{source}: tensor {name!r} has shape {tuple(array.shape)}, but the config implies "
                             f"{expected}")
 
     def prepare(path, value):
@@ -207,7 +204,7 @@ def assemble_model(
     def jobs():
         for path, layer, part, name, load, source, expected in entries:
             if layer is not None and part is None:
-                for p, _ in _expand(path, _placeholder(plan.get(_role(path)))):
+                for p in _variables(path, plan.get(_role(path))):
                     stack_of(p)  # allocated here, on this thread, before a loader thread fills a slot
                 load = functools.partial(into_stack, load, path, layer, name, source, expected)
             yield name, load, (path, layer, part, source, expected)
@@ -215,7 +212,7 @@ def assemble_model(
     def layer_done(path, layer):
         filled[path].add(layer)
         if len(filled[path]) == cfg.num_layers:
-            for p, _ in _expand(path, _placeholder(plan.get(_role(path)))):
+            for p in _variables(path, plan.get(_role(path))):
                 put(p, stacks.pop(p))
 
     for name, future, (path, layer, part, source, expected) in _prefetched(jobs()):

@@ -38,7 +38,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 # XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernel dispatches on
-S8, U8, F16, F32 = 2, 6, 10, 11
+U8, F16 = 6, 10
 
 
 # -- the inner loops, as LLVM IR on explicit 16-float vectors
@@ -54,9 +54,12 @@ _VI8 = ir.VectorType(_I8, 16)
 
 
 def _at(b, addr, ty, offset=0):
-    a = b.add(addr, ir.Constant(_I64, offset)) if isinstance(offset, int) and offset else \
-        (addr if isinstance(offset, int) else b.add(addr, offset))
-    return b.inttoptr(a, ty.as_pointer())
+    """A pointer to `ty` at addr + offset (offset: a Python int or an i64 value)."""
+    if not isinstance(offset, int):
+        addr = b.add(addr, offset)
+    elif offset:
+        addr = b.add(addr, ir.Constant(_I64, offset))
+    return b.inttoptr(addr, ty.as_pointer())
 
 
 def _load(b, addr, ty, offset=0):
