@@ -131,6 +131,15 @@ def prefetch(typingctx, addr):
 
 
 @intrinsic
+def keep_alive(typingctx, arr):
+    """Holds a numba array's reference up to this point. numba releases a variable right after its last use in
+    the function's IR, so an array known only by its address (``arr.ctypes.data``) is freed, and its memory
+    handed to the next allocation of any thread, while the raw address is still being written through: call
+    this after the last access through such an address."""
+    return types.void(arr), lambda context, builder, sig, args: context.get_dummy_value()
+
+
+@intrinsic
 def call_c0(typingctx, fn):
     """Calls the C function at address ``fn`` as ``int fn(void)``."""
     def codegen(context, builder, sig, args):

@@ -27,6 +27,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     dim,
     export_symbol,
     is_execute,
+    keep_alive,
     launch,
     load32,
     load64,
@@ -286,6 +287,7 @@ def _rows(bits, half):
                     for k in range(rows):
                         _dot1_buffer(w + 4 * n * k, 4 * n, x + 4 * n * tok, n, y + 4 * (tok * o + r + k))
             r += rows
+        keep_alive(buf)  # written and read through `w` only: freed (and reused by another thread) otherwise
     return matmul_rows
 
 

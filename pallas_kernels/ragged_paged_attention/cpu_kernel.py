@@ -28,6 +28,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     dim,
     export_symbol,
     is_execute,
+    keep_alive,
     launch,
     load64,
     prefetch,
@@ -284,6 +285,7 @@ def _execute(frame):
                 carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
                    kvh, pages, page_size, num_seqs, max_pages), work.shape[0], _chunk_address(), False)
+    keep_alive(work)  # the chunks read it through its address
 
 
 @numba.cfunc(HANDLER, cache=True)

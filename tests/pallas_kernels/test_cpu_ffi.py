@@ -28,3 +28,29 @@ def test_a_changed_header_is_refused(tmp_path, edit, named):
     changed.write_text(text.replace(edit[0], edit[1], 1))
     with pytest.raises(RuntimeError, match=named):
         check_ffi_abi(changed)
+
+
+def test_keep_alive_holds_an_array_known_only_by_its_address():
+    """numba frees an array after its last use in the IR: a kernel's scratch buffer used through its raw address
+    went back to the allocator at once, and another thread's allocation then shared it (wrong outputs under
+    load). With keep_alive after the last raw access, no allocation in between may get its memory."""
+    import numba
+    import numpy as np
+
+    from pallas_kernels.cpu_ffi import keep_alive
+
+    def reuses(hold):
+        @numba.njit
+        def count(n):
+            buf = np.empty(n, np.float32)
+            w = buf.ctypes.data
+            hits = 0
+            for _ in range(50):
+                hits += np.empty(n, np.float32).ctypes.data == w
+            if hold:
+                keep_alive(buf)
+            return hits
+        return count(2048)
+
+    assert reuses(False) > 0  # the hazard is real in this numba (else this test proves nothing)
+    assert reuses(True) == 0
