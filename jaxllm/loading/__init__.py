@@ -3,6 +3,7 @@ or, with no path, the embedded SmolLM2."""
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import logging
@@ -71,6 +72,16 @@ def weight_bytes(model: LlamaForCausalLM) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
 
 
+def _release_host_memory() -> None:
+    """Returns the loader's freed host buffers to the OS: glibc keeps freed heap memory (converted tensors,
+    stacks already placed) in its arenas, where it would count as this process's memory for as long as it runs."""
+    gc.collect()  # loader buffers caught in reference cycles (a failed tensor's traceback) go first
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _check_quantization(quantization: str | None) -> str:
     q = "none" if quantization is None else quantization
     if q not in QUANTIZATIONS:
@@ -122,7 +133,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name
     from flax import nnx
     jax.block_until_ready(nnx.state(model, nnx.Param))  # transfers done: their host buffers can be released
-    gc.collect()
+    _release_host_memory()
     logger.info("loaded %s: weights %s, %.1f MB resident", name, plan_label(model.quant_plan),
                 weight_bytes(model) / 1e6)
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name)
