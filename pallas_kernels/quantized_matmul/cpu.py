@@ -1,7 +1,10 @@
-"""The quantized matmul on CPU: an XLA FFI custom call into `cpu_kernel` for steps of at most MAX_ROWS input rows
-(decode), its row chunks shared between the calling thread and XLA's thread pool like the float32 skinny
-kernel's; larger steps (prefill chunks, big batches) run `reference.tiled_matmul`: XLA dequantizes one tile of
-weight rows into float32 and runs its compute-bound dot on it, tile after tile."""
+"""The quantized matmul on CPU: an XLA FFI custom call into `cpu_kernel` for every step shape (decode, batches,
+prefill chunks), its row chunks shared between the calling thread and XLA's thread pool like the float32 skinny
+kernel's. One kernel for every row count is what makes quantized outputs batch invariant: a row's result is
+bit-identical whether its step has 1 row or 4096, where switching to XLA's dot above some size would round
+differently; for prefill-sized steps the kernel (weights dequantized into L1 once per block of rows, input rows
+in L2-sized blocks) runs as fast as XLA's dot on dequantized tiles (`benchmarks/quantized_matmul.py`). Inputs
+it does not take (not float32, or rows not a multiple of 32 values) run `reference.tiled_matmul`."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from pallas_kernels.quantized_matmul.format import QuantFormat, QuantizedWeight
 from pallas_kernels.quantized_matmul.reference import tiled_matmul
 
 TARGET = "jaxllm_cpu_quantized_matmul"
-MAX_ROWS = 32
 
 
 def _load_handler():
@@ -29,7 +31,7 @@ def register() -> None:
 
 def applies(x: jax.Array) -> bool:
     rows = int(np.prod(x.shape[:-1]))
-    return x.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and x.shape[-1] % 32 == 0  # pairs of 16-value chunks
+    return x.dtype == jnp.float32 and rows > 0 and x.shape[-1] % 32 == 0  # pairs of 16-value chunks
 
 
 def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G], [L, out, G or 0], [] -> [T, out]
@@ -40,7 +42,7 @@ def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G]
 
 def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in] @ dequantize(w)[out, in]^T -> [..., out]; with `layer`, w's arrays are stacks [layers, ...]
-    read in place at `layer`. The kernel for float32 with at most MAX_ROWS rows; tiles through XLA otherwise."""
+    read in place at `layer`. The kernel for float32 inputs; tiles through XLA otherwise."""
     if not applies(x):
         return tiled_matmul(x, w, fmt, layer)
     data, scale, offset = w

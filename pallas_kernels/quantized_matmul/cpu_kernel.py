@@ -151,40 +151,51 @@ def _scalar_at(b, base, index, size, half):
     return _scalar(b, b.add(base, b.mul(index, ir.Constant(_I64, size))), half)
 
 
-def _dots(b, rows, x, n, y, chunk_pair):
-    """y[k] = sum over n values of row k x for k < rows; chunk_pair(p, k) -> row k's two chunk vectors."""
+def _dots(b, rows, x, n, y, chunk_pair, toks=1, x_stride=None, y_stride=None):
+    """y[j][k] = sum over n values of row k . input j, for k < rows, j < toks (input j at x + j * x_stride bytes,
+    its outputs at y + j * y_stride); chunk_pair(p, k) -> row k's two chunk vectors. Every (row, input) pair
+    accumulates in the same order whatever rows and toks are."""
     zero = ir.Constant(_V, [0.0] * 16)
+    xs = [x if j == 0 else b.add(x, b.mul(ir.Constant(_I64, j), x_stride)) for j in range(toks)]
 
     def body(p, accs):
         at = b.mul(p, ir.Constant(_I64, 128))  # 32 floats
-        x0, x1 = _load(b, x, _V, at), _load(b, x, _V, b.add(at, ir.Constant(_I64, 64)))
-        out = []
+        xv = [(_load(b, xj, _V, at), _load(b, xj, _V, b.add(at, ir.Constant(_I64, 64)))) for xj in xs]
+        out = list(accs)
         for k in range(rows):
             w0, w1 = chunk_pair(p, k)
-            out += [_fma(b, w0, x0, accs[2 * k]), _fma(b, w1, x1, accs[2 * k + 1])]
+            for j, (x0, x1) in enumerate(xv):
+                i = 2 * (j * rows + k)
+                out[i], out[i + 1] = _fma(b, w0, x0, accs[i]), _fma(b, w1, x1, accs[i + 1])
         return out
 
-    accs = _for(b, b.udiv(n, ir.Constant(_I64, 32)), [zero] * (2 * rows), body)
-    for k in range(rows):
-        b.store(_hsum(b, b.fadd(accs[2 * k], accs[2 * k + 1])), _at(b, y, _F32, 4 * k))
+    accs = _for(b, b.udiv(n, ir.Constant(_I64, 32)), [zero] * (2 * rows * toks), body)
+    for j in range(toks):
+        yj = y if j == 0 else b.add(y, b.mul(ir.Constant(_I64, j), y_stride))
+        for k in range(rows):
+            i = 2 * (j * rows + k)
+            b.store(_hsum(b, b.fadd(accs[i], accs[i + 1])), _at(b, yj, _F32, 4 * k))
 
 
-def _dot_buffer(rows):
+def _dot_buffer(rows, toks=1):
     @intrinsic
-    def dot(typingctx, w, stride, x, n, y):
-        """y[0:rows] (float32 at address y) = rows of float32 w (stride bytes apart) . x, over n values."""
+    def dot(typingctx, w, stride, x, x_stride, n, y, y_stride):
+        """y + j * y_stride (float32 [rows]) = rows of float32 w (stride bytes apart) . input j (float32 at
+        x + j * x_stride), over n values, for j < toks."""
         def codegen(context, b, sig, args):
-            w, stride, x, n, y = args
+            w, stride, x, x_stride, n, y, y_stride = args
             _dots(b, rows, x, n, y, lambda p, k: [
                 _load(b, w, _V, b.add(b.mul(ir.Constant(_I64, k), stride), b.add(b.mul(p, ir.Constant(_I64, 128)),
                                                                                 ir.Constant(_I64, 64 * j))))
-                for j in (0, 1)])
+                for j in (0, 1)], toks, x_stride, y_stride)
             return context.get_dummy_value()
-        return types.void(*[types.int64] * 5), codegen
+        return types.void(*[types.int64] * 7), codegen
     return dot
 
 
 _dot4_buffer, _dot1_buffer = _dot_buffer(4), _dot_buffer(1)
+TOKS = 2  # inputs per pass over a 4-row block: each weight vector loaded from L1 feeds TOKS FMAs
+_dot4_buffer_multi = _dot_buffer(4, TOKS)
 
 
 def _dot_quantized(bits, half, affine):
@@ -225,6 +236,7 @@ def _dequantize(bits, half, affine):
 
 
 PREFETCH_ROWS = 16
+X_BLOCK_BYTES = 1 << 18
 
 
 def _rows(bits, half):
@@ -267,26 +279,36 @@ def _rows(bits, half):
             start = r0
         if start == r1:
             return
-        buf = np.empty((4, n), np.float32)
+        buf = np.empty((r1 - start, n), np.float32)
         w = buf.ctypes.data
-        r = start
-        while r < r1:  # every row here (batches; a decode step's last rows): dequantized once, dotted per input
-            rows = min(4, r1 - r)
-            for k in range(rows):
-                rk = r + k
-                args = (data + rk * p, scale + rk * groups * size, offset + rk * offset_groups * size, n, group,
-                        w + 4 * n * k)
-                if affine:
-                    deq_aff(*args)
-                else:
-                    deq_sym(*args)
-            for tok in range(t):
+        for k in range(r1 - start):  # every row here (batches; a decode step's last rows) dequantized once
+            rk = start + k
+            args = (data + rk * p, scale + rk * groups * size, offset + rk * offset_groups * size, n, group,
+                    w + 4 * n * k)
+            if affine:
+                deq_aff(*args)
+            else:
+                deq_sym(*args)
+        block = max(1, X_BLOCK_BYTES // (4 * n))
+        for t0 in range(0, t, block):  # input rows in blocks that stay in L2 while every weight row meets them
+            t1 = min(t, t0 + block)
+            r = start
+            while r < r1:
+                rows = min(4, r1 - r)
+                wr = w + 4 * n * (r - start)
                 if rows == 4:
-                    _dot4_buffer(w, 4 * n, x + 4 * n * tok, n, y + 4 * (tok * o + r))
+                    tok = t0
+                    while tok + TOKS <= t1:
+                        _dot4_buffer_multi(wr, 4 * n, x + 4 * n * tok, 4 * n, n, y + 4 * (tok * o + r), 4 * o)
+                        tok += TOKS
+                    while tok < t1:
+                        _dot4_buffer(wr, 4 * n, x + 4 * n * tok, 0, n, y + 4 * (tok * o + r), 0)
+                        tok += 1
                 else:
-                    for k in range(rows):
-                        _dot1_buffer(w + 4 * n * k, 4 * n, x + 4 * n * tok, n, y + 4 * (tok * o + r + k))
-            r += rows
+                    for tok in range(t0, t1):
+                        for k in range(rows):
+                            _dot1_buffer(wr + 4 * n * k, 4 * n, x + 4 * n * tok, 0, n, y + 4 * (tok * o + r + k), 0)
+                r += rows
         keep_alive(buf)  # written and read through `w` only: freed (and reused by another thread) otherwise
     return matmul_rows
 

@@ -58,8 +58,6 @@ def test_greedy_outputs_match_the_dequantized_model(smollm2_quantized_llm, promp
     assert same >= 15, f"{same}/16 prompts identical over 64 tokens"
 
 
-@pytest.mark.xfail(strict=False, reason="flaky: a prompt's prefill chunks can take the CPU kernel (<=32 rows) or the "
-                   "tiled XLA path (>32 rows) depending on what shares the step; they round differently (issue 15)")
 def test_batch_invariance_quantized(smollm2_quantized_llm):
     base.test_batch_invariance_greedy_and_seeded(smollm2_quantized_llm)
 

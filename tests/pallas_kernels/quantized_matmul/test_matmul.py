@@ -1,7 +1,7 @@
 """The quantized matmuls (CPU kernel, jnp reference, row-tiled path) against float matmul with `gguf.quants`'s
 dequantized weights, for every GGUF type kept quantized and for per-channel int8, over the shape classes the
-engine uses: decode rows (1, a few, MAX_ROWS), prefill rows (tiled), a layer of a stack read in place, row
-counts that are not multiples of the kernel's 4-row blocks."""
+engine uses: decode rows (1, a few, 32), prefill rows (several input blocks; XLA tiles), a layer of a stack read
+in place, row counts that are not multiples of the kernel's 4-row blocks."""
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,7 @@ KINDS = [*QTYPES, "int8"]
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
 @pytest.mark.parametrize("impl", list(IMPLS))
-@pytest.mark.parametrize("rows", [1, 7, cpu.MAX_ROWS, 45])
+@pytest.mark.parametrize("rows", [1, 7, 32, 45, 300])
 def test_matches_float_matmul_of_dequantized_weights(kind, impl, rows):
     w, fmt, wf = _case(kind, (1030, 512))  # 1030 rows: 4-row blocks plus a tail, two 512-row-ish tiles
     x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
@@ -60,12 +60,13 @@ def test_one_layer_of_a_stack_is_read_in_place(kind, impl):
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
 def test_cpu_kernel_rows_do_not_depend_on_the_batch(kind):
-    """Batch invariance: each row's result is bit-identical whether it runs alone or among others."""
-    w, fmt, _ = _case(kind, (96, 512))
-    x = jnp.asarray(np.random.default_rng(2).standard_normal((cpu.MAX_ROWS, 512)).astype(np.float32))
+    """Batch invariance: each row's result is bit-identical whether it runs alone or among others, from decode
+    steps to prefill-sized ones (inputs in several L2 blocks, paired or not)."""
+    w, fmt, _ = _case(kind, (98, 512))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((300, 512)).astype(np.float32))
     f = jax.jit(cpu.matmul, static_argnums=2)
     together = np.asarray(f(x, w, fmt))
-    for n in (1, 3, 17):
+    for n in (1, 3, 17, 32, 129):
         np.testing.assert_array_equal(np.asarray(f(x[:n], w, fmt)), together[:n])
     np.testing.assert_array_equal(np.asarray(f(x[5:6], w, fmt))[0], together[5])
 

@@ -1,0 +1,64 @@
+"""Times one quantized matmul per SmolLM2 layer shape and step size: the CPU kernel against XLA's dot on
+dequantized row tiles (`reference.tiled_matmul`, what large steps ran before the kernel took every row count),
+alternating over rounds, and reports medians and GFLOP/s. The kernel serves every step shape so that a row's
+result never depends on the step it shares (batch invariance); this shows what that costs, or saves, on prefill.
+
+    python benchmarks/quantized_matmul.py [--rounds 15] [--tokens 1,8,32,128,512] [--types Q4_1,Q8_0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import quantize
+
+from jaxllm.loading.gguf_quant import FORMATS, repack
+from pallas_kernels.quantized_matmul import cpu, reference
+
+E, F = 576, 1536
+SHAPES = {"qkv": (960, E), "o": (E, E), "gate_up": (2 * F, E), "down": (E, F)}  # [out, in]
+
+
+def _weight(kind: T, shape: tuple[int, int], rng: np.random.Generator):
+    raw = quantize(rng.standard_normal(shape).astype(np.float32) * 0.02, kind)
+    return jax.tree.map(jnp.asarray, repack(raw, kind, shape)), FORMATS[kind]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--tokens", default="1,8,32,128,512")
+    p.add_argument("--types", default="Q4_1,Q8_0")
+    args = p.parse_args()
+    rng = np.random.default_rng(0)
+    impls = {"kernel": jax.jit(cpu.matmul, static_argnums=2),
+             "xla tiles": jax.jit(reference.tiled_matmul, static_argnums=2)}
+    print(f"{'type':5s} {'shape':8s} {'tokens':>6s}  " + "  ".join(f"{k:>18s}" for k in impls) + "  kernel/xla")
+    for kind in (T[name] for name in args.types.split(",")):
+        for name, shape in SHAPES.items():
+            w, fmt = _weight(kind, shape, rng)
+            for t in (int(v) for v in args.tokens.split(",")):
+                x = jnp.asarray(rng.standard_normal((t, shape[1]), np.float32))
+                out = {k: fn(x, w, fmt).block_until_ready() for k, fn in impls.items()}
+                diff = float(jnp.max(jnp.abs(out["kernel"] - out["xla tiles"])) / jnp.max(jnp.abs(out["xla tiles"])))
+                assert diff < 1e-4, (kind.name, name, t, diff)
+                times = {k: [] for k in impls}
+                for _ in range(args.rounds):  # alternating, so drifting machine speed hits both alike
+                    for k, fn in impls.items():
+                        start = time.perf_counter()
+                        fn(x, w, fmt).block_until_ready()
+                        times[k].append(time.perf_counter() - start)
+                med = {k: statistics.median(v) for k, v in times.items()}
+                flops = 2 * t * shape[0] * shape[1]
+                cells = "  ".join(f"{med[k] * 1e3:7.3f} ms {flops / med[k] / 1e9:5.0f} GF/s" for k in impls)
+                print(f"{kind.name:5s} {name:8s} {t:6d}  {cells}  {med['xla tiles'] / med['kernel']:9.2f}x")
+
+
+if __name__ == "__main__":
+    main()
