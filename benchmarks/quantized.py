@@ -18,10 +18,7 @@ alternate within each round, each jaxllm configuration in its own process; figur
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -29,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import peers
+
 WORKLOAD = Path(__file__).with_name("peer_workload.json")
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "build_llamacpp.sh"
 
 
 def run_jaxllm(model: str, quantization: str) -> dict:
@@ -80,21 +78,6 @@ def jaxllm_isolated(model: str, quantization: str) -> dict:
         return json.loads(out.read_text())
 
 
-def llama_single(bin_dir: Path, model: str) -> float:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", model, "-t", "2", "-p", "0", "-n", "128", "-r", "3",
-                          "-o", "csv"], check=True, capture_output=True, text=True).stdout
-    return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
-
-
-def llama_batched(bin_dir: Path, model: str) -> float:
-    out = subprocess.run([str(bin_dir / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2", "-c", "8256",
-                          "-b", "2048", "-ub", "512", "-npp", "128", "-ntg", "128", "-npl", "32"],
-                         check=True, capture_output=True, text=True).stdout
-    row = [r for r in out.splitlines() if re.match(r"\|\s+128 \|\s+128 \|\s+32 \|", r)][0]
-    total_s = float(row.strip("|").split("|")[8])
-    return 32 * 128 / total_s
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
@@ -105,9 +88,10 @@ def main() -> None:
         model, quantization, out = args.one
         Path(out).write_text(json.dumps(run_jaxllm(model, quantization)))
         return
-    peer_dir = Path(subprocess.run(["bash", str(PEERS)], check=True, capture_output=True, text=True).stdout.strip())
-    bin_dir, gguf = peer_dir / "bin", peer_dir / "gguf"
-    files = {t: str(gguf / f"SmolLM2-135M-Instruct.{t}.gguf") for t in ("Q4_1", "Q8_0")}
+    peer = peers.peer_dir()
+    if peer is None:
+        raise SystemExit(f"no llama.cpp peers: {peers.BUILD} is missing")
+    files = {t: peers.gguf(peer, t) for t in ("Q4_1", "Q8_0")}
     configs = [("Q4_1", "auto"), ("Q8_0", "auto"), ("Q4_1", "none")]
     runs: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
@@ -117,8 +101,8 @@ def main() -> None:
             print(key, runs[key][-1], flush=True)
             if quantization == "auto":
                 key = f"llama.cpp {name}"
-                runs.setdefault(key, []).append({"single_tok_s": llama_single(bin_dir, files[name]),
-                                                 "batch_tok_s": llama_batched(bin_dir, files[name])})
+                runs.setdefault(key, []).append({"single_tok_s": peers.single_stream(peer, files[name]),
+                                                 "batch_tok_s": peers.batched(peer, files[name])})
                 print(key, runs[key][-1], flush=True)
     summary = {}
     for key, rs in runs.items():

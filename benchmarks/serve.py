@@ -2,9 +2,11 @@
 
 Streams /v1/completions requests with Poisson arrivals at --request-rate (or all at once with "inf"),
 optionally capped at --max-concurrency, and reports request throughput, output tokens/s and TTFT / TPOT /
-ITL / E2E latency (mean, median, p99). Prompts: the shared peer workload's texts (128-token chat prompts);
-every request generates exactly --max-tokens tokens (EOS banned through logit_bias, which every
-OpenAI-compatible server supports). --sweep runs several rates and saves a PNG of the curves.
+ITL / E2E latency (mean, median, p99). Prompts: the shared peer workload's texts (128-token chat prompts),
+each rate's made distinct by a leading tag (run, rate, index) so that no rate answers from a prompt cache the
+previous one warmed; every request generates exactly --max-tokens tokens (EOS banned through logit_bias, which
+every OpenAI-compatible server supports). --sweep runs several rates and saves a PNG of the curves.
+benchmarks/serve_peers.py runs this sweep against jaxllm and llama.cpp's llama-server side by side.
 
     python benchmarks/serve.py --base-url http://127.0.0.1:8000 --label jaxllm --sweep 0.5,1,2,inf \\
         --json out/jaxllm.json --plot out/sweep.png [--compare out/llama.cpp.json]
@@ -60,7 +62,8 @@ def stats(values: list[float]) -> dict:
 def run(args, rate: float) -> dict:
     workload = json.loads(WORKLOAD.read_text())
     texts = workload["texts"]
-    prompts = [texts[i % len(texts)] for i in range(args.num_prompts)]
+    tag = f"{getattr(args, 'tag', '') or 'run'}-{rate}"
+    prompts = [f"[{tag}-{i}] {texts[i % len(texts)]}" for i in range(args.num_prompts)]
     rng = random.Random(0)
     results: list[dict] = []
     lock = threading.Lock()
@@ -143,6 +146,7 @@ def main() -> None:
     p.add_argument("--request-rate", type=float, default=float("inf"))
     p.add_argument("--max-concurrency", type=int)
     p.add_argument("--sweep", help="comma-separated request rates (inf allowed)")
+    p.add_argument("--tag", default=f"{time.time():.0f}", help="prefix that makes this run's prompts distinct")
     p.add_argument("--json", help="save results here")
     p.add_argument("--plot", help="save a PNG of the sweep here")
     p.add_argument("--compare", nargs="*", default=[], help="JSON results of other servers to plot beside")

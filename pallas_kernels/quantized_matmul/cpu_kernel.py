@@ -120,9 +120,10 @@ def _for(b, count, carried, body):
     return phis
 
 
-def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group):
+def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group, shared=False):
     """Values of chunks 2p and 2p + 1 of one row (two <16 x float>). data/scale/offset: the row's addresses;
-    group: log2 of the values per scale, 63 for one scale per row (8-bit; 4-bit data has one scale per pair)."""
+    group: log2 of the values per scale, 63 for one scale per row (8-bit; 4-bit data has one scale per pair).
+    shared: the caller knows group >= 5 (the pair has one scale: loaded and converted once)."""
     size = 2 if half else 4
     if bits == 4:
         raw = _load(b, data, _VI8, b.mul(p, ir.Constant(_I64, 16)))
@@ -133,7 +134,8 @@ def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group):
         at = b.mul(p, ir.Constant(_I64, 32))
         q0 = b.sitofp(_load(b, data, _VI8, at), _V)
         q1 = b.sitofp(_load(b, data, _VI8, b.add(at, ir.Constant(_I64, 16))), _V)
-        idx = (b.lshr(at, group), b.lshr(b.add(at, ir.Constant(_I64, 16)), group))
+        first = b.lshr(at, group)
+        idx = (first, first) if shared else (first, b.lshr(b.add(at, ir.Constant(_I64, 16)), group))
     out = []
     for q, g in zip((q0, q1), idx, strict=True):
         sc = _scalar_at(b, scale, g, size, half)
@@ -198,7 +200,7 @@ TOKS = 2  # inputs per pass over a 4-row block: each weight vector loaded from L
 _dot4_buffer_multi = _dot_buffer(4, TOKS)
 
 
-def _dot_quantized(bits, half, affine):
+def _dot_quantized(bits, half, affine, shared=False):
     @intrinsic
     def dot(typingctx, data, data_stride, scale, offset, scale_stride, x, n, group, y):
         """y[0:4] = 4 quantized rows (data/scale/offset row strides in bytes) . x, over n values."""
@@ -209,7 +211,7 @@ def _dot_quantized(bits, half, affine):
                 kk = ir.Constant(_I64, k)
                 return _chunk_pair(b, bits, half, affine, b.add(data, b.mul(kk, data_stride)),
                                    b.add(scale, b.mul(kk, scale_stride)), b.add(offset, b.mul(kk, scale_stride)),
-                                   p, group)
+                                   p, group, shared)
             _dots(b, 4, x, n, y, pair)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 9), codegen
@@ -241,9 +243,11 @@ X_BLOCK_BYTES = 1 << 18
 
 def _rows(bits, half):
     """The loop over a chunk's output rows for one data layout (4- or 8-bit, float16 or float32 scales)."""
-    dot = {a: _dot_quantized(bits, half, a) for a in (False, True)}
+    # 4-bit data has one scale a pair anyway: no second variant to compile
+    dot = {(a, sh): _dot_quantized(bits, half, a, sh and bits == 8) for a in (False, True) for sh in (False, True)}
     deq = {a: _dequantize(bits, half, a) for a in (False, True)}
-    dot_sym, dot_aff, deq_sym, deq_aff = dot[False], dot[True], deq[False], deq[True]
+    dot_sym, dot_aff, deq_sym, deq_aff = dot[False, False], dot[True, False], deq[False], deq[True]
+    dot_sym_shared, dot_aff_shared = dot[False, True], dot[True, True]  # 8-bit groups of >= 32: one scale a pair
 
     def matmul_rows(x, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1):
         """y[:, r0:r1] = x @ dequantize(W)[r0:r1].T (addresses; x [t, n], data [o, p] bytes, scale and offset
@@ -270,7 +274,12 @@ def _rows(bits, half):
                 args = (data + r * p, p, scale + r * groups * size, offset + r * offset_groups * size,
                         groups * size, x, n, group, y + 4 * r)
                 if affine:
-                    dot_aff(*args)
+                    if group > 4:
+                        dot_aff_shared(*args)
+                    else:
+                        dot_aff(*args)
+                elif group > 4:
+                    dot_sym_shared(*args)
                 else:
                     dot_sym(*args)
                 r += 4
