@@ -1,10 +1,15 @@
 """Offline throughput on the shared peer workload (benchmarks/peer_workload.json, a copy of
-../shared/peers/workload.json): 32 prompts of 128 tokens, 128 new tokens each, greedy, EOS ignored; and a
-single stream (prompt 0, 128 new tokens). Peers measured side by side in the same run: HF transformers
-(float32, padded batch generate) when torch is installed, and llama.cpp's Python bindings when installed;
-each engine runs in its own process, one after the other.
+../shared/peers/workload.json): 32 prompts of 128 tokens, 128 new tokens each, greedy, EOS ignored (generated
+tok/s over the whole run, prefill included); and a single stream (prompt 0, 128 new tokens: decode tok/s after the
+first token). Peers measured side by side in the same run: llama.cpp's own tools (built by
+../shared/peers/build_llamacpp.sh) on the F16, F32 and Q4_1 GGUFs of the same model, `llama-batched-bench -npp 128
+-ntg 128 -npl 32` and `llama-bench -n 128`, 2 threads; and HF transformers (float32, padded batch generate) when
+torch is installed. Engines alternate within each round, each in its own process; figures are medians over rounds.
 
-    python benchmarks/offline.py [--rounds 2] [--no-peers] [--json out.json]
+jaxllm runs with its defaults (the `smollm2-cpu` preset the server uses: the embedded GGUF served as its own
+Q4_1/Q8_0 weights) unless --quantization says otherwise.
+
+    python benchmarks/offline.py [--rounds 3] [--quantization none] [--no-peers] [--json out.json]
 """
 
 from __future__ import annotations
@@ -18,43 +23,44 @@ import tempfile
 import time
 from pathlib import Path
 
+import peers
+
 WORKLOAD = Path(__file__).with_name("peer_workload.json")
+LLAMA_TYPES = ("F16", "F32", "Q4_1")
 
 
-def run_jaxllm(workload: dict, rounds: int) -> dict:
+def run_jaxllm(workload: dict, quantization: str | None) -> dict:
     from jaxllm import LLM, SamplingParams
 
-    # float32 weights (the GGUF dequantized), as before quantized serving: benchmarks/quantized.py times those
-    llm = LLM(preset="smollm2-cpu", quantization="none", max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
-              max_model_len=1024)
+    options = {} if quantization is None else {"quantization": quantization}
+    llm = LLM(preset="smollm2-cpu", **options)
     gen = workload["gen_len"]
     params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
     batch = [{"prompt_token_ids": workload["prompts"][i]} for i in workload["batch_prompt_indices"]]
     single = workload["prompts"][workload["single_stream_prompt_index"]]
     llm.generate(batch[:2], params, use_tqdm=False)  # touch every code path once
-    batch_tps, decode_tps, ttfts = [], [], []
     engine = llm.engine
-    for r in range(rounds):
-        engine.block_manager.page_of_hash.clear()  # no prefix-cache hits across rounds
-        engine.block_manager.hash_of_page.clear()
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-        batch_tps.append(len(batch) * gen / elapsed)
+
+    def no_prefix_hits():
         engine.block_manager.page_of_hash.clear()
         engine.block_manager.hash_of_page.clear()
-        start = time.perf_counter()
-        engine.add_request(f"single-{r}", single, params)
-        first = None
-        while engine.has_unfinished_requests():
-            engine.step()
-            first = first or time.perf_counter()
-        end = time.perf_counter()
-        ttfts.append(first - start)
-        decode_tps.append((gen - 1) / (end - first))
-    return {"batch_tok_s": statistics.median(batch_tps), "single_tok_s": statistics.median(decode_tps),
-            "ttft_s": statistics.median(ttfts), "rounds": rounds}
+
+    no_prefix_hits()
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
+    no_prefix_hits()
+    start = time.perf_counter()
+    engine.add_request("single", single, params)
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        first = first or time.perf_counter()
+    end = time.perf_counter()
+    return {"batch_tok_s": len(batch) * gen / elapsed, "single_tok_s": (gen - 1) / (end - first),
+            "ttft_s": first - start, "weights": sorted({f.label for f in engine.model.quant_plan.values()})
+            or ["float32"]}
 
 
 def run_transformers(workload: dict) -> dict | None:
@@ -89,70 +95,73 @@ def run_transformers(workload: dict) -> dict | None:
     return {"batch_tok_s": batch, "single_tok_s": single_tps, "ttft_s": ttft}
 
 
-def run_llama_cpp(workload: dict) -> dict | None:
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    from jaxllm.loading.embedded import embedded_model_path
-
-    llm = llama_cpp.Llama(str(embedded_model_path()), n_ctx=512, n_threads=2, verbose=False)
-    gen = workload["gen_len"]
-    prompt = workload["prompts"][workload["single_stream_prompt_index"]]
-    start = time.perf_counter()
-    first = None
-    for i, _ in enumerate(llm.generate(prompt, temp=0.0)):
-        first = first or time.perf_counter()
-        if i + 1 == gen:
-            break
-    end = time.perf_counter()
-    return {"single_tok_s": (gen - 1) / (end - first), "ttft_s": first - start,
-            "note": "Q4_1 GGUF as shipped; batched figure: see ../shared/peers (llama-server, 32 slots)"}
-
-
-RUNNERS = {"jaxllm": run_jaxllm, "transformers": run_transformers, "llama.cpp": run_llama_cpp}
-
-
-def run_isolated(name: str, rounds: int) -> dict | None:
-    """Each engine in its own process: their thread pools (XLA, numba's OpenMP, torch's OpenMP) must not share
-    the two cores or each other's settings (torch ran 6x slower after jaxllm in one process)."""
+def run_isolated(name: str, quantization: str | None) -> dict | None:
+    """Each engine in its own process: their thread pools (XLA, numba's, torch's OpenMP) must not share the two
+    cores or each other's settings (torch ran 6x slower after jaxllm in one process)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, __file__, "--engine", name, "--rounds", str(rounds), "--json", str(out)],
-                       check=True)
+        cmd = [sys.executable, __file__, "--engine", name, "--json", str(out)]
+        if quantization:
+            cmd += ["--quantization", quantization]
+        subprocess.run(cmd, check=True)
         return json.loads(out.read_text())
+
+
+def run_llama(peer: Path, kind: str) -> dict:
+    model = peers.gguf(peer, kind)
+    return {"batch_tok_s": peers.batched(peer, model), "single_tok_s": peers.single_stream(peer, model)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quantization", help="jaxllm's weights (default: the engine's default, the GGUF's own)")
     p.add_argument("--no-peers", action="store_true")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--engine", choices=sorted(RUNNERS), help=argparse.SUPPRESS)  # one engine, in this process
+    p.add_argument("--engine", choices=("jaxllm", "transformers"), help=argparse.SUPPRESS)  # one run, here
     args = p.parse_args()
     workload = json.loads(WORKLOAD.read_text())
     if args.engine:
-        runner = RUNNERS[args.engine]
-        result = runner(workload, args.rounds) if args.engine == "jaxllm" else runner(workload)
+        result = run_jaxllm(workload, args.quantization) if args.engine == "jaxllm" else run_transformers(workload)
         Path(args.json).write_text(json.dumps(result))
         return
-    names = ["jaxllm"] if args.no_peers else list(RUNNERS)
-    results = {name: run_isolated(name, args.rounds) for name in names}
-    ours = results["jaxllm"]
-    print(f"{'engine':14s} {'batch 32 tok/s':>15s} {'single tok/s':>13s} {'TTFT s':>8s}")
-    for name, r in results.items():
-        if r:
-            print(f"{name:14s} {r.get('batch_tok_s', float('nan')):15.1f} {r['single_tok_s']:13.1f} "
-                  f"{r['ttft_s']:8.2f}")
-    for name in ("transformers", "llama.cpp"):
-        r = results.get(name)
-        if r and "batch_tok_s" in r:
-            print(f"jaxllm / {name}: batch {ours['batch_tok_s'] / r['batch_tok_s']:.2f}x, "
-                  f"single {ours['single_tok_s'] / r['single_tok_s']:.2f}x")
-        elif r:
-            print(f"jaxllm / {name}: single {ours['single_tok_s'] / r['single_tok_s']:.2f}x")
+    peer = None if args.no_peers else peers.peer_dir()
+    label = f"jaxllm ({args.quantization or 'defaults'})"
+    runs: dict[str, list[dict]] = {}
+    for r in range(args.rounds):
+        runs.setdefault(label, []).append(run_isolated("jaxllm", args.quantization))
+        print(f"round {r}: {label} {runs[label][-1]}", flush=True)
+        if peer is not None:
+            for kind in LLAMA_TYPES:
+                key = f"llama.cpp {kind}"
+                runs.setdefault(key, []).append(run_llama(peer, kind))
+                print(f"round {r}: {key} {runs[key][-1]}", flush=True)
+        if not args.no_peers:
+            t = run_isolated("transformers", None)
+            if t is not None:
+                runs.setdefault("transformers f32", []).append(t)
+                print(f"round {r}: transformers {t}", flush=True)
+    summary = {k: {m: statistics.median(x[m] for x in rs) for m in ("batch_tok_s", "single_tok_s")}
+               for k, rs in runs.items()}
+    print(f"\nmedians over {args.rounds} rounds; jaxllm weights: {runs[label][0]['weights']}")
+    print(f"{'engine':22s} {'batch 32 tok/s':>15s} {'single tok/s':>13s}")
+    for k, m in summary.items():
+        print(f"{k:22s} {m['batch_tok_s']:15.1f} {m['single_tok_s']:13.1f}")
+    ours = summary[label]
+    ratios = {}
+    if peer is not None:
+        best = max(("llama.cpp F16", "llama.cpp F32"), key=lambda k: summary[k]["batch_tok_s"])
+        ratios = {f"batch vs {best}": ours["batch_tok_s"] / summary[best]["batch_tok_s"],
+                  "single vs llama.cpp F32": ours["single_tok_s"] / summary["llama.cpp F32"]["single_tok_s"],
+                  "batch vs llama.cpp Q4_1": ours["batch_tok_s"] / summary["llama.cpp Q4_1"]["batch_tok_s"],
+                  "single vs llama.cpp Q4_1": ours["single_tok_s"] / summary["llama.cpp Q4_1"]["single_tok_s"]}
+    if "transformers f32" in summary:
+        ratios["batch vs transformers"] = ours["batch_tok_s"] / summary["transformers f32"]["batch_tok_s"]
+    for k, v in ratios.items():
+        print(f"jaxllm {k}: {v:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "summary": summary, "ratios": ratios,
+                                               "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":
