@@ -84,9 +84,13 @@ class EngineConfig:
 
     def buckets(self) -> list[tuple[int, int]]:
         """(tokens, sequences) shapes compiled at start-up: every step is padded up to one of them."""
-        tokens = self.token_buckets or tuple(
-            1 << i for i in range(self.max_num_batched_tokens.bit_length())
-            if 1 << i < self.max_num_batched_tokens) + (self.max_num_batched_tokens,)
+        budget = self.max_num_batched_tokens
+        if self.token_buckets:  # those above the first that holds the budget would never run (a smaller budget
+            # given over a preset's buckets)
+            tokens = tuple(t for t in self.token_buckets if t < budget) + (
+                next(t for t in self.token_buckets if t >= budget),)
+        else:
+            tokens = tuple(1 << i for i in range(budget.bit_length()) if 1 << i < budget) + (budget,)
         return [(t, min(t, self.max_num_seqs)) for t in tokens]
 
     @classmethod
