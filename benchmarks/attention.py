@@ -6,9 +6,7 @@ machine's measured memory bandwidth.
 
 Shapes follow SmolLM2 (9 q heads, 3 KV heads, head_dim 64, float32), page size 16, one layer.
 - decode: 64 sequences x 1024 tokens of context, one query token each;
-- mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh);
-- single: one sequence decoding at 256 tokens of context, a single-stream step's layer (the kernel runs it on the
-  calling thread: a pool thread's wake-up would cost more than the work).
+- mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh).
 """
 
 from __future__ import annotations
@@ -79,7 +77,6 @@ def main() -> None:
     for impl in IMPLS:
         decode = bench("decode", impl, [(1, 1024)] * 64, args.rounds)
         mixed = bench("mixed", impl, [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds)
-        bench("single", impl, [(1, 256)], max(args.rounds, 50))
         print(f"{impl}: decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy bandwidth")
 
 

@@ -253,10 +253,6 @@ def _chunk(words, chunk):
 
 export_symbol("jaxllm_cpu_ragged_paged_attention_chunk", _chunk.address)
 _chunk_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk", True)
-# A step whose attention reads less than this (K and V bytes, scaled by its query blocks) runs on the calling
-# thread alone: waking a pool thread costs more than it saves (one sequence decoding at a few hundred tokens of
-# context: benchmarks/attention.py's `single` case).
-SERIAL_BYTES = 1 << 20
 
 
 @numba.njit(**_KW)
@@ -282,18 +278,13 @@ def _execute(frame):
     write_kv(k_cache, v_cache, carray(to_ptr(k_new_p), (t, kvh, d), dtype=np.float32),
              carray(to_ptr(v_new_p), (t, kvh, d), dtype=np.float32), carray(to_ptr(slots_p), (t,), dtype=np.int32))
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
-    lens = carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32)
-    starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
-    kv_bytes = 0
-    for s in range(num_seqs):
-        if starts[s + 1] > starts[s]:
-            kv_bytes += max(np.int64(lens[s]), 0) * kvh * d * 8  # its K and V, float32
-    serial = kv_bytes * (1 + (starts[num_seqs] - starts[0]) // 16) < SERIAL_BYTES
-    n = 1 if serial else workers()
+    n = workers()
     min_items = 4 * n if n > 1 else 0  # below: split the items by q head to share them evenly
-    work = plan(lens, starts, kvh, h // kvh, block_q, min_items, carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
+    work = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
+                carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q, min_items,
+                carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
-                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], _chunk_address(), False, serial)
+                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], _chunk_address(), False)
     keep_alive(work)  # the chunks read it through its address
 
 

@@ -16,8 +16,6 @@ KINDS = {
     # decodes, a chunk of a prompt whose first 37 tokens are cached, a fresh prompt, a prompt that ends mid-page
     "mixed": [(1, 40), (13, 50), (1, 1), (21, 21), (1, 77), (6, 6)],
 }
-# Long enough that the CPU kernel shares the step with XLA's pool (shorter steps run on the calling thread).
-LONG_KINDS = {"long": [(1, 300), (1, 257), (24, 280), (1, 190), (1, 600)]}
 
 
 @dataclasses.dataclass
@@ -34,7 +32,7 @@ def make_case(kind: str, *, num_heads: int, num_kv_heads: int, head_dim: int, pa
     """Pages are assigned at random; every page no sequence owns is filled with NaN, so an implementation
     that reads a page it does not own produces NaN."""
     rng = np.random.default_rng(seed)
-    seqs = {**KINDS, **LONG_KINDS}[kind]
+    seqs = KINDS[kind]
     pages_needed = [-(-ctx // page_size) for _, ctx in seqs]
     num_pages = sum(pages_needed) + 7
     perm = rng.permutation(num_pages)

@@ -1,6 +1,5 @@
 """The numba CPU kernel, directly (every work item on the calling thread) and through its XLA FFI custom call
-(cache write + attention; a long step's work items shared with XLA's thread pool, a short one's on the calling
-thread), against a naive dense attention."""
+(cache write + attention, work items shared with XLA's thread pool), against a naive dense attention."""
 
 import dataclasses
 import functools
@@ -14,7 +13,7 @@ from jaxllm.kernels import attention_kernel, choose_kernels
 from pallas_kernels.cpu_ffi import busy_slots
 from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_serial
-from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, LONG_KINDS, make_case
+from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
 from tests.pallas_kernels.ragged_paged_attention.test_reference import naive_attention
 
 OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
@@ -63,7 +62,7 @@ def _step(impl, case, **options):
     return [np.asarray(x) for x in got], expected_case
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS) + sorted(LONG_KINDS))  # the short ones run serially
+@pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
 def test_custom_call_writes_the_cache_then_attends(kind, options):
     case = make_case(kind, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float32)
