@@ -2,11 +2,11 @@
 on 16-float vectors.
 
 A decode step (one input row) dequantizes each chunk of 16 weights in registers and feeds it straight into the
-dot product, 4 rows sharing each input load; a step with more rows dequantizes each block of 4 rows into a
-float32 buffer in L1 once and dots every input row with it. Memory traffic is the packed weights (4.5-8.5 bits a
-value instead of 32). Both paths run the same operations in the same order (see the IR section), so a row's
-result does not depend on how many rows the step has or how they are split between threads (batch
-invariance)."""
+dot product, 4 rows sharing each input load; a step with more rows (batches, prefill chunks) dequantizes the rows a
+thread owns into a float32 buffer once and multiplies them by the inputs in L2-sized blocks, 4 rows by 2 inputs a
+pass. Memory traffic is the packed weights (4.5-8.5 bits a value instead of 32). Both paths run the same
+operations in the same order (see the IR section), so a row's result does not depend on how many rows the step
+has or how they are split between threads (batch invariance)."""
 
 from __future__ import annotations
 
