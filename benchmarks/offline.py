@@ -24,46 +24,19 @@ import time
 from pathlib import Path
 
 import peers
+import workload
 
-WORKLOAD = Path(__file__).with_name("peer_workload.json")
 LLAMA_TYPES = ("F16", "F32", "Q4_1")
 
 
-def run_jaxllm(workload: dict, quantization: str | None) -> dict:
-    from jaxllm import LLM, SamplingParams
+def run_jaxllm(quantization: str | None) -> dict:
+    from jaxllm import LLM
 
     options = {} if quantization is None else {"quantization": quantization}
-    llm = LLM(preset="smollm2-cpu", **options)
-    gen = workload["gen_len"]
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    batch = [{"prompt_token_ids": workload["prompts"][i]} for i in workload["batch_prompt_indices"]]
-    single = workload["prompts"][workload["single_stream_prompt_index"]]
-    llm.generate(batch[:2], params, use_tqdm=False)  # touch every code path once
-    engine = llm.engine
-
-    def no_prefix_hits():
-        engine.block_manager.page_of_hash.clear()
-        engine.block_manager.hash_of_page.clear()
-
-    no_prefix_hits()
-    start = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    no_prefix_hits()
-    start = time.perf_counter()
-    engine.add_request("single", single, params)
-    first = None
-    while engine.has_unfinished_requests():
-        engine.step()
-        first = first or time.perf_counter()
-    end = time.perf_counter()
-    return {"batch_tok_s": len(batch) * gen / elapsed, "single_tok_s": (gen - 1) / (end - first),
-            "ttft_s": first - start, "weights": sorted({f.label for f in engine.model.quant_plan.values()})
-            or ["float32"]}
+    return workload.run(LLM(preset="smollm2-cpu", **options))
 
 
-def run_transformers(workload: dict) -> dict | None:
+def run_transformers(work: dict) -> dict | None:
     try:
         import torch
         import transformers
@@ -77,14 +50,14 @@ def run_transformers(workload: dict) -> dict | None:
                                                               dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 2
-    gen = workload["gen_len"]
-    prompts = torch.tensor([workload["prompts"][i] for i in workload["batch_prompt_indices"]])  # all 128 long
+    gen = work["gen_len"]
+    prompts = torch.tensor([work["prompts"][i] for i in work["batch_prompt_indices"]])  # all 128 long
     with torch.no_grad():
         start = time.perf_counter()
         model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=gen,
                        min_new_tokens=gen)
         batch = len(prompts) * gen / (time.perf_counter() - start)
-        single = torch.tensor([workload["prompts"][workload["single_stream_prompt_index"]]])
+        single = torch.tensor([work["prompts"][work["single_stream_prompt_index"]]])
         start = time.perf_counter()
         model.generate(single, attention_mask=torch.ones_like(single), do_sample=False, max_new_tokens=1)
         ttft = time.perf_counter() - start
@@ -120,9 +93,8 @@ def main() -> None:
     p.add_argument("--json", help="write the results here")
     p.add_argument("--engine", choices=("jaxllm", "transformers"), help=argparse.SUPPRESS)  # one run, here
     args = p.parse_args()
-    workload = json.loads(WORKLOAD.read_text())
     if args.engine:
-        result = run_jaxllm(workload, args.quantization) if args.engine == "jaxllm" else run_transformers(workload)
+        result = run_jaxllm(args.quantization) if args.engine == "jaxllm" else run_transformers(workload.load())
         Path(args.json).write_text(json.dumps(result))
         return
     peer = None if args.no_peers else peers.peer_dir()

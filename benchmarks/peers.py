@@ -58,28 +58,33 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(peers: Path, model: str, slots: int = 16, ctx: int = 5120, port: int | None = None) -> Iterator[str]:
-    """`llama-server` with `slots` parallel slots and continuous batching; yields its base URL."""
-    port = port or free_port()
-    proc = subprocess.Popen([str(peers / "bin" / "llama-server"), "-m", model, "-t", "2", "-np", str(slots),
-                             "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def running(cmd: list[str], port: int, *, timeout: float = 120, **popen) -> Iterator[str]:
+    """Starts an HTTP server (`cmd`, listening on 127.0.0.1:`port`), waits until its /health answers 200 and
+    yields its base URL; stops it on exit."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **popen)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}")
+                raise RuntimeError(f"{cmd[0]} exited with {proc.returncode}")
             with contextlib.suppress(requests.RequestException):
                 if requests.get(url + "/health", timeout=2).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError("llama-server did not become healthy in 120 s")
+                raise TimeoutError(f"{cmd[0]} did not become healthy in {timeout} s")
             time.sleep(0.5)
         yield url
     finally:
         proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def server(peers: Path, model: str, slots: int = 16, ctx: int = 5120, port: int | None = None):
+    """`llama-server` with `slots` parallel slots and continuous batching (a context manager yielding its URL)."""
+    port = port or free_port()
+    return running([str(peers / "bin" / "llama-server"), "-m", model, "-t", "2", "-np", str(slots), "-c", str(ctx),
+                    "--host", "127.0.0.1", "--port", str(port)], port)

@@ -23,52 +23,24 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import peers
-
-WORKLOAD = Path(__file__).with_name("peer_workload.json")
+import workload
 
 
 def run_jaxllm(model: str, quantization: str) -> dict:
     """One configuration, in this process."""
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
     from jaxllm.loading import weight_bytes
     from jaxllm.loading.gguf_file import GGUFFile
 
-    workload = json.loads(WORKLOAD.read_text())
     llm = LLM(model, quantization=quantization, max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
               max_model_len=1024)
-    engine = llm.engine
-    resident = weight_bytes(engine.model)
-    gen = workload["gen_len"]
-    params = SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True)
-    batch = [{"prompt_token_ids": workload["prompts"][i]} for i in workload["batch_prompt_indices"]]
-    single = workload["prompts"][workload["single_stream_prompt_index"]]
-    llm.generate(batch[:2], params, use_tqdm=False)  # touch every code path once
-
-    def no_prefix_hits():
-        engine.block_manager.page_of_hash.clear()
-        engine.block_manager.hash_of_page.clear()
-
-    no_prefix_hits()
-    start = time.perf_counter()
-    outs = llm.generate(batch, params, use_tqdm=False)
-    batch_tps = len(batch) * gen / (time.perf_counter() - start)
-    assert all(len(o.outputs[0].token_ids) == gen for o in outs)
-    decode = []
-    for r in range(2):
-        no_prefix_hits()
-        engine.add_request(f"single-{r}", single, params)
-        first = None
-        while engine.has_unfinished_requests():
-            engine.step()
-            first = first or time.perf_counter()
-        decode.append((gen - 1) / (time.perf_counter() - first))
+    result = workload.run(llm, single_runs=2)
+    del result["ttft_s"]
     tensor_bytes = sum(t.nbytes for t in GGUFFile(model).tensors.values())
-    return {"single_tok_s": max(decode), "batch_tok_s": batch_tps, "weight_bytes": resident,
-            "file_tensor_bytes": tensor_bytes, "weights": sorted({f.label for f in engine.model.quant_plan.values()})}
+    return {**result, "weight_bytes": weight_bytes(llm.engine.model), "file_tensor_bytes": tensor_bytes}
 
 
 def jaxllm_isolated(model: str, quantization: str) -> dict:

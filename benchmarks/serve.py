@@ -24,8 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
-
-WORKLOAD = Path(__file__).with_name("peer_workload.json")
+import workload
 
 
 def one_request(base_url: str, model: str | None, prompt: str, max_tokens: int, api_key: str | None,
@@ -60,8 +59,7 @@ def stats(values: list[float]) -> dict:
 
 
 def run(args, rate: float) -> dict:
-    workload = json.loads(WORKLOAD.read_text())
-    texts = workload["texts"]
+    texts = workload.load()["texts"]
     tag = f"{getattr(args, 'tag', '') or 'run'}-{rate}"
     prompts = [f"[{tag}-{i}] {texts[i % len(texts)]}" for i in range(args.num_prompts)]
     rng = random.Random(0)

@@ -12,47 +12,24 @@ Prints the per-rate medians over rounds and the ratios the issue's acceptance na
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import peers
-import requests
 import serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@contextlib.contextmanager
-def jaxllm_server(port: int) -> Iterator[str]:
+def jaxllm_server(port: int):
+    """`gunicorn server.app:app` with its defaults (a context manager yielding its URL)."""
     env = {**os.environ, "JAXLLM_BIND": f"127.0.0.1:{port}", "JAXLLM_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "gunicorn", "server.app:app"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited with {proc.returncode}")
-            with contextlib.suppress(requests.RequestException):
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError("jaxllm did not become healthy in 600 s")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    return peers.running([sys.executable, "-m", "gunicorn", "server.app:app"], port, timeout=600, cwd=ROOT,
+                         env=env)
 
 
 def sweep(url: str, label: str, rates: list[float], tag: str, num_prompts: int, max_tokens: int) -> list[dict]:

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import jax
+import workload
 
-WORKLOAD = Path(__file__).with_name("peer_workload.json")
 PARTS = ("attention", "layer matmuls", "other layer ops", "LM head", "sampling and rest", "host")
 
 
@@ -94,10 +94,10 @@ def measure(batch: int, steps: int, quantization: str | None) -> dict:
     options = {} if quantization is None else {"quantization": quantization}
     llm = LLM(max_num_seqs=max(batch, 1), **options)
     engine = llm.engine
-    workload = json.loads(WORKLOAD.read_text())
+    work = workload.load()
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"r{i}", workload["prompts"][i % len(workload["prompts"])], params)
+        engine.add_request(f"r{i}", work["prompts"][i % len(work["prompts"])], params)
     while engine.scheduler.waiting or any(s.num_tokens - s.num_computed_tokens > 1 for s in engine.scheduler.running):
         engine.step()  # prefill, until every sequence decodes
     for _ in range(4):

@@ -85,8 +85,7 @@ class EngineConfig:
     def buckets(self) -> list[tuple[int, int]]:
         """(tokens, sequences) shapes compiled at start-up: every step is padded up to one of them."""
         budget = self.max_num_batched_tokens
-        if self.token_buckets:  # those above the first that holds the budget would never run (a smaller budget
-            # given over a preset's buckets)
+        if self.token_buckets:  # up to the first that holds the budget: a step never fills those above it
             tokens = tuple(t for t in self.token_buckets if t < budget) + (
                 next(t for t in self.token_buckets if t >= budget),)
         else:

@@ -243,11 +243,11 @@ X_BLOCK_BYTES = 1 << 18
 
 def _rows(bits, half):
     """The loop over a chunk's output rows for one data layout (4- or 8-bit, float16 or float32 scales)."""
-    # 4-bit data has one scale a pair anyway: no second variant to compile
-    dot = {(a, sh): _dot_quantized(bits, half, a, sh and bits == 8) for a in (False, True) for sh in (False, True)}
-    deq = {a: _dequantize(bits, half, a) for a in (False, True)}
-    dot_sym, dot_aff, deq_sym, deq_aff = dot[False, False], dot[True, False], deq[False], deq[True]
-    dot_sym_shared, dot_aff_shared = dot[False, True], dot[True, True]  # 8-bit groups of >= 32: one scale a pair
+    dot_sym, dot_aff = _dot_quantized(bits, half, False), _dot_quantized(bits, half, True)
+    deq_sym, deq_aff = _dequantize(bits, half, False), _dequantize(bits, half, True)
+    # 8-bit groups of >= 32 values: one scale a pair (4-bit data always has one: the same functions serve)
+    dot_sym_shared, dot_aff_shared = (_dot_quantized(bits, half, False, True), _dot_quantized(bits, half, True, True)) \
+        if bits == 8 else (dot_sym, dot_aff)
 
     def matmul_rows(x, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1):
         """y[:, r0:r1] = x @ dequantize(W)[r0:r1].T (addresses; x [t, n], data [o, p] bytes, scale and offset
