@@ -1,7 +1,7 @@
-"""Polls a server's /health every 50 ms from its own process until its stdin closes. Prints "ready" once the first
+"""Polls a server's /health every 20 ms from its own process until its stdin closes. Prints "ready" once the first
 poll is answered, and at the end one JSON line: {"latencies": [seconds...], "failures": [...]}. A separate process,
 so that what it measures is the server's latency, not the wait for the GIL of a test process running 64 client
-threads.
+threads. Often enough that a load of a few seconds gives well over 100 polls: below 100, a p99 is the maximum.
 
     python -m tests.server.health_poller http://127.0.0.1:PORT
 """
@@ -29,7 +29,7 @@ def main(url: str) -> None:
         latencies.append(time.monotonic() - t)
         if len(latencies) == 1:
             print("ready", flush=True)
-        time.sleep(0.05)
+        time.sleep(0.02)
     print(json.dumps({"latencies": latencies, "failures": failures}), flush=True)
 
 
