@@ -2,9 +2,10 @@
 (`attn_impl="cpu"`, the CPU default), side by side, and reports the achieved KV-read bandwidth against this
 machine's measured memory bandwidth.
 
-    python benchmarks/attention.py [--rounds 5]
+    python benchmarks/attention.py [--rounds 5] [--kv-cache-dtype float32,float16,bfloat16]
 
-Shapes follow SmolLM2 (9 q heads, 3 KV heads, head_dim 64, float32), page size 16, one layer.
+Shapes follow SmolLM2 (9 q heads, 3 KV heads, head_dim 64; float32 queries, caches of each dtype asked for),
+page size 16, one layer.
 - decode: 64 sequences x 1024 tokens of context, one query token each;
 - mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh).
 """
@@ -43,12 +44,13 @@ def memory_bandwidth_gbs(rounds: int) -> float:
     return 2 * src.nbytes / statistics.median(times) / 1e9
 
 
-def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> float:
+def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int, kv_dtype=jnp.float32) -> float:
     q, _, k, v, meta = random_paged_batch(seqs, (HEADS, KV_HEADS, HEAD_DIM), PAGE, jnp.float32)
+    k, v = k.astype(kv_dtype), v.astype(kv_dtype)
     t = q.shape[0]
     # The engine's step: this step's K/V written into the (donated) cache, then attention. Here the written
     # slots are all padding (-1), so the timing is the attention's.
-    step = attention_kernel(choose_kernels(impl))
+    step = attention_kernel(choose_kernels(impl, kv_dtype=kv_dtype))
     new = jnp.zeros((t, KV_HEADS, HEAD_DIM), jnp.float32)
     no_slots = jnp.full((t,), -1, jnp.int32)
     fn = jax.jit(lambda q, k, v, m: step(q, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,
@@ -61,8 +63,9 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> flo
         out.block_until_ready()
         times.append(time.perf_counter() - start)
     sec = statistics.median(times)
-    kv_bytes = 2 * sum(ctx for _, ctx in seqs) * KV_HEADS * HEAD_DIM * 4  # each sequence's K and V, once
-    print(f"{impl:9s} {name:7s} {t:5d} tokens, {len(seqs):3d} seqs: {sec * 1e3:7.2f} ms, "
+    # each sequence's K and V, once
+    kv_bytes = 2 * sum(ctx for _, ctx in seqs) * KV_HEADS * HEAD_DIM * jnp.dtype(kv_dtype).itemsize
+    print(f"{impl:9s} {jnp.dtype(kv_dtype).name:8s} {name:7s} {t:5d} tokens, {len(seqs):3d} seqs: {sec * 1e3:7.2f} ms, "
           f"KV read {kv_bytes / 1e6:6.1f} MB -> {kv_bytes / sec / 1e9:5.2f} GB/s")
     return kv_bytes / sec / 1e9
 
@@ -70,14 +73,17 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int) -> flo
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--kv-cache-dtype", default="float32", help="comma-separated cache dtypes")
     args = p.parse_args()
     bw = memory_bandwidth_gbs(args.rounds)
     print(f"memory bandwidth (512 MiB copy, read+write): {bw:.1f} GB/s; backend {jax.default_backend()}, "
           f"{jax.device_count()} device(s)")
-    for impl in IMPLS:
-        decode = bench("decode", impl, [(1, 1024)] * 64, args.rounds)
-        mixed = bench("mixed", impl, [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds)
-        print(f"{impl}: decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy bandwidth")
+    for dtype in args.kv_cache_dtype.split(","):
+        for impl in IMPLS:
+            decode = bench("decode", impl, [(1, 1024)] * 64, args.rounds, dtype)
+            mixed = bench("mixed", impl, [(1, 1024)] * 32 + [(256, 768), (256, 256)], args.rounds, dtype)
+            print(f"{impl} {dtype}: decode reaches {decode / bw:.0%} and mixed {mixed / bw:.0%} of the copy "
+                  "bandwidth")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
 `Kernels` for the platform the step will run on (default: this process's backend), so that a CPU host can build
 the step a TPU or GPU runs, with the native kernels. Every rule lives here:
 
-- "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32
-  caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for float32, else XLA's dot.
+- "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32,
+  float16 and bfloat16 caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for float32, else XLA's dot.
 - Tensor parallelism on CPU takes the references: the CPU kernels are opaque custom calls that GSPMD cannot
   split by heads or rows.
 - A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);
@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.sharding import TP_AXIS
+from pallas_kernels.ragged_paged_attention.cpu import CACHE_DTYPES as CPU_CACHE_DTYPES
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 MATMUL_IMPLS = ("auto", "reference", "cpu")
@@ -77,15 +78,15 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     cpu_kernels = platform == "cpu" and tensor_parallel_size == 1
     if attn_impl == "auto":
-        cpu_attention = cpu_kernels and kv_dtype == jnp.float32
+        cpu_attention = cpu_kernels and kv_dtype in CPU_CACHE_DTYPES
         attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_attention else "reference")
     if matmul_impl == "auto":
         matmul_impl = "cpu" if cpu_kernels and jnp.dtype(dtype) == jnp.float32 else "reference"
     for name, impl in (("attention", attn_impl), ("matmul", matmul_impl)):
         if impl == "cpu" and platform != "cpu":
             raise ValueError(f"the cpu {name} kernel runs on CPU only, not on {platform}")
-    if attn_impl == "cpu" and kv_dtype != jnp.float32:
-        raise ValueError(f"the cpu attention kernel reads float32 caches, not {kv_dtype.name}")
+    if attn_impl == "cpu" and kv_dtype not in CPU_CACHE_DTYPES:
+        raise ValueError(f"the cpu attention kernel reads float32, float16 or bfloat16 caches, not {kv_dtype.name}")
     if interpret is None:
         interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
     return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None)

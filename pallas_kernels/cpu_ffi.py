@@ -200,6 +200,16 @@ def buffer(frame, i, ret=False):
     return load64(b + 24), load64(b + 40)
 
 
+# XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernels dispatch on
+U8, F16, F32, BF16 = 6, 10, 11, 16
+
+
+@numba.njit(inline="always")
+def buffer_dtype(frame, i):
+    """XLA_FFI_Buffer.dtype (+16) of argument ``i``."""
+    return load32(load64(load64(frame + 72) + 8 * i) + 16)
+
+
 @numba.njit(inline="always")
 def dim(dims, i):
     return load64(dims + 8 * i)

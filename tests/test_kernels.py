@@ -16,9 +16,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
 
 @pytest.mark.parametrize(("platform", "dtype", "tp", "want"), [
     ("cpu", F32, 1, ("cpu", "cpu", False)),
-    ("cpu", BF16, 1, ("reference", "reference", False)),  # the CPU kernels are float32 only
+    ("cpu", BF16, 1, ("cpu", "reference", False)),  # the matmul kernel is float32 only; attention reads 16-bit caches
     ("cpu", F32, 2, ("reference", "reference", False)),  # GSPMD cannot split an opaque custom call
-    ("cpu", (F32, BF16), 1, ("reference", "cpu", False)),  # float32 weights, a bfloat16 KV cache
+    ("cpu", (F32, BF16), 1, ("cpu", "cpu", False)),  # float32 weights, a bfloat16 KV cache
+    ("cpu", (F32, jnp.float8_e4m3fn), 1, ("reference", "cpu", False)),  # no float8 caches in the CPU kernel
     ("tpu", BF16, 8, ("pallas_tpu", "reference", False)),
     ("gpu", BF16, 1, ("pallas_gpu", "reference", False)),
     ("cuda", BF16, 1, ("pallas_gpu", "reference", False)),
@@ -41,7 +42,8 @@ def test_a_pallas_kernel_off_its_platform_is_interpreted_unless_told_otherwise()
     ({"matmul_impl": "fast"}, "unknown matmul implementation 'fast'"),
     ({"attn_impl": "cpu", "platform": "tpu"}, "the cpu attention kernel runs on CPU only"),
     ({"matmul_impl": "cpu", "platform": "gpu"}, "the cpu matmul kernel runs on CPU only"),
-    ({"attn_impl": "cpu", "platform": "cpu", "dtype": BF16}, "reads float32 caches, not bfloat16"),
+    ({"attn_impl": "cpu", "platform": "cpu", "kv_dtype": jnp.float8_e5m2},
+     "reads float32, float16 or bfloat16 caches, not float8_e5m2"),
     ({"platform": "metal"}, "unknown platform 'metal'"),
 ])
 def test_impossible_choices_are_errors_not_fallbacks(kwargs, message):

@@ -26,6 +26,7 @@ from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
 from jaxllm.engine.startup import StartupReport
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.kernels import CPU_CACHE_DTYPES
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -106,9 +107,9 @@ class LLMEngine:
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
-        if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) != jnp.float32:
+        if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
-                              "float32 caches; build the model with attn_impl='reference'")
+                              "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)

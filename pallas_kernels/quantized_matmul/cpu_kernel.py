@@ -22,8 +22,11 @@ from pallas_kernels.cpu_ffi import drop_stale_cache
 drop_stale_cache(__file__)
 
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    F16,
     HANDLER,
+    U8,
     buffer,
+    buffer_dtype,
     dim,
     export_symbol,
     is_execute,
@@ -38,8 +41,6 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 )
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
-# XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernel dispatches on
-U8, F16 = 6, 10
 
 
 # -- the inner loops, as LLVM IR on explicit 16-float vectors
@@ -370,12 +371,6 @@ _q8_f16 = symbol("jaxllm_cpu_qmatmul_chunk_q8_f16", True)
 _q8_f32 = symbol("jaxllm_cpu_qmatmul_chunk_q8_f32", True)
 
 
-@numba.njit(inline="always")
-def _dtype(frame, i):
-    """XLA_FFI_Buffer.dtype (+16) of argument i."""
-    return load32(load64(load64(frame + 72) + 8 * i) + 16)
-
-
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (x [T, in] f32, data [L, out, in or in / 2] u8/s8, scale [L, out, G] f16 or f32,
@@ -390,11 +385,11 @@ def _execute(frame):
     t, n = dim(x_d, 0), dim(x_d, 1)
     o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
     layer = min(max(np.int64(load32(layer_p)), 0), dim(d_d, 0) - 1)
-    scale_size = 2 if _dtype(frame, 2) == F16 else 4
+    scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
     d_p += layer * o * p
     s_p += layer * o * groups * scale_size
     o_p += layer * o * offset_groups * scale_size
-    four_bit = _dtype(frame, 1) == U8
+    four_bit = buffer_dtype(frame, 1) == U8
     if four_bit:
         fn = _q4_f16() if scale_size == 2 else _q4_f32()
     else:

@@ -7,7 +7,11 @@ again, so a decode step spends ~3x the KV bytes in memory traffic. This kernel w
 table and folds one page at a time into an online softmax. Work items are (sequence, KV head, block of query
 tokens), shared between the calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`).
 
-Numerics match the reference (float32 accumulation, the same online-softmax algebra).
+Caches hold float32, float16 or bfloat16 values; 16-bit values are widened to float32 as they are read (half
+the bytes a step streams, and decode attention is bound by them). numba has no 16-bit float types, so the kernel
+sees 16-bit caches as integer arrays whose type names the format: uint16 for float16 bits, int16 for bfloat16 bits
+(`widen`). Numerics match the reference (float32 accumulation, the same online-softmax algebra, the same
+widened values).
 """
 
 from __future__ import annotations
@@ -16,15 +20,21 @@ import math
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import carray, types
+from numba.extending import intrinsic
 
 from pallas_kernels.cpu_ffi import drop_stale_cache
 
 drop_stale_cache(__file__)
 
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    BF16,
+    F16,
+    F32,
     HANDLER,
     buffer,
+    buffer_dtype,
     dim,
     export_symbol,
     is_execute,
@@ -42,17 +52,65 @@ NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
 
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
+# The cache element types the kernel is compiled for, by FFI data type: 16-bit formats as integer bit patterns
+CACHE_TYPES = {F32: np.float32, F16: np.uint16, BF16: np.int16}
+
+
+@intrinsic
+def widen(typingctx, x):
+    """A cache element as float32: float32 as is, float16 bits (uint16) converted exactly, bfloat16 bits (int16)
+    as the upper half of a float32's."""
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, sig, args: args[0]
+    if x == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(x), codegen
+    if x == types.int16:
+        def codegen(context, builder, sig, args):
+            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(x), codegen
+    return None
+
+
+@intrinsic
+def _float_bits(typingctx, i):
+    """The float32 whose bits are the int32 ``i``."""
+    return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
+
+
+LOG2E, LN2_HI, LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.float32(-2.12194440e-4)
+# exp on [-ln2 / 2, ln2 / 2]: Cephes' expf polynomial (relative error ~1e-7)
+EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                          1.6666665459e-1, 5.0000001201e-1))
 
 
 @numba.njit(inline="always", **_KW)
-def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, window, soft_cap):  # noqa: E741
-    """Folds one page (``kp``/``vp`` [page_size, D]) into the running softmax of ``rows`` query rows."""
-    page_size, d = kp.shape
+def _exp(x):
+    """exp(x) for x <= 0 in plain arithmetic, so that a loop of them vectorizes (``math.exp`` is a libm call per
+    element, a fifth of a decode step's attention): x = n ln2 + r, exp(x) = 2^n exp(r); below -87 it
+    flushes to 0."""
+    if x < np.float32(-87.0):
+        return np.float32(0.0)
+    n = np.floor(x * LOG2E + np.float32(0.5))
+    r = x - n * LN2_HI - n * LN2_LO
+    c0, c1, c2, c3, c4, c5 = EXP_POLY
+    poly = (((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5) * r * r + r + np.float32(1.0)
+    return poly * _float_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@numba.njit(inline="always", **_KW)
+def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, window, soft_cap, d,  # noqa: E741
+               page_size):
+    """Folds one page (``kp``/``vp`` [page_size, d]) into the running softmax of ``rows`` query rows. `attend_block`
+    passes the common (d, page_size) as constants: the loops over them then unroll, and a full page's weighted sum
+    of V rows runs with each 16-float slice of the accumulator in a register across the page's rows."""
     for r in range(rows):
         for c in range(page_size):
             a = np.float32(0.0)
             for x in range(d):
-                a += qs[r, x] * kp[c, x]
+                a += qs[r, x] * widen(kp[c, x])
             sc[r, c] = a
     # Pages wholly inside every row's causal window need no masking (the common case).
     full = base >= start and base + page_size - 1 <= first and window <= 0
@@ -72,25 +130,36 @@ def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, windo
         if row_max == NEG:
             continue
         m_new = max(m[r], row_max)
-        alpha = math.exp(m[r] - m_new)
+        alpha = _exp(m[r] - m_new)
         m[r] = m_new
+        for c in range(page_size):  # a vector loop: masked scores become exact zeros
+            s = sc[r, c]
+            sc[r, c] = _exp(s - m_new) if s != NEG else np.float32(0.0)
         total = l[r] * alpha
-        for x in range(d):
-            acc[r, x] *= alpha
         for c in range(page_size):
-            if sc[r, c] != NEG:
-                p = math.exp(sc[r, c] - m_new)
-                total += p
-                for x in range(d):
-                    acc[r, x] += p * vp[c, x]
+            total += sc[r, c]
         l[r] = total
+        if full:
+            for x in range(d):
+                a = acc[r, x] * alpha
+                for c in range(page_size):
+                    a += sc[r, c] * widen(vp[c, x])
+                acc[r, x] = a
+        else:
+            for x in range(d):
+                acc[r, x] *= alpha
+            for c in range(page_size):
+                p = sc[r, c]
+                if p != 0:  # masked slots may hold any bits (a stale inf would make 0 * inf = NaN)
+                    for x in range(d):
+                        acc[r, x] += p * widen(vp[c, x])
 
 
 @numba.njit(inline="always", **_KW)
 def _prefetch_page(k_cache, v_cache, kh, page):
     k_addr = np.int64(k_cache[kh, page].ctypes.data)
     v_addr = np.int64(v_cache[kh, page].ctypes.data)
-    for line in range(0, k_cache.shape[2] * k_cache.shape[3] * 4, 64):
+    for line in range(0, k_cache.shape[2] * k_cache.shape[3] * k_cache.itemsize, 64):
         prefetch(k_addr + line)
         prefetch(v_addr + line)
 
@@ -128,8 +197,13 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
         page = block_tables[s, pi]
         if pi + 1 < end_page:  # pages are scattered, so the hardware prefetcher cannot guess the next one
             _prefetch_page(k_cache, v_cache, kh, block_tables[s, pi + 1])
-        _fold_page(qs, acc, m, l, sc, k_cache[kh, page], v_cache[kh, page], rows, group, pi * page_size, start,
-                   first, window, soft_cap)
+        kp, vp, at = k_cache[kh, page], v_cache[kh, page], pi * page_size
+        if d == 64 and page_size == 16:
+            _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, 64, 16)
+        elif d == 128 and page_size == 16:
+            _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, 128, 16)
+        else:
+            _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, d, page_size)
     for r in range(rows):
         tok = q0 + b0 + r // group
         head = first_head + r % group
@@ -198,7 +272,8 @@ def _order_by_cost(cost):
 
 @numba.njit(**_KW)
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """k, v [T, KVH, D] into the caches [KVH, P, page, D] at flat slots (negative: a padding token)."""
+    """k, v [T, KVH, D] into the caches [KVH, P, page, D] (the same element type) at flat slots (negative: a
+    padding token)."""
     page_size, d = k_cache.shape[2], k_cache.shape[3]
     for t in range(slot_mapping.shape[0]):
         slot = slot_mapping[t]
@@ -223,18 +298,18 @@ def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, o
                      block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4])
 
 
-@numba.njit(**_KW)
-def run_chunk(words, chunk):
-    """Work item ``chunk`` of a launch; the words are the addresses of q, the caches, kv_lens, block_tables,
-    query_start_loc, out, the plan and the scalar parameters, then T, H, D, KVH, pages, page size, sequences and
-    pages per sequence."""
+@numba.njit(inline="always", **_KW)
+def run_chunk(words, chunk, cache_type):
+    """Work item ``chunk`` of a launch over caches of ``cache_type`` (a `CACHE_TYPES` value); the words are the
+    addresses of q, the caches, kv_lens, block_tables, query_start_loc, out, the plan and the scalar parameters,
+    then T, H, D, KVH, pages, page size, sequences and pages per sequence."""
     t, h, d, kvh = load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96)
     pages, page_size, num_seqs, max_pages = (load64(words + 104), load64(words + 112), load64(words + 120),
                                              load64(words + 128))
     f32, i32 = np.float32, np.int32
     q = carray(to_ptr(load64(words)), (t, h, d), dtype=f32)
-    k_cache = carray(to_ptr(load64(words + 8)), (kvh, pages, page_size, d), dtype=f32)
-    v_cache = carray(to_ptr(load64(words + 16)), (kvh, pages, page_size, d), dtype=f32)
+    k_cache = carray(to_ptr(load64(words + 8)), (kvh, pages, page_size, d), dtype=cache_type)
+    v_cache = carray(to_ptr(load64(words + 16)), (kvh, pages, page_size, d), dtype=cache_type)
     kv_lens = carray(to_ptr(load64(words + 24)), (num_seqs,), dtype=i32)
     block_tables = carray(to_ptr(load64(words + 32)), (num_seqs, max_pages), dtype=i32)
     query_start_loc = carray(to_ptr(load64(words + 40)), (num_seqs + 1,), dtype=i32)
@@ -247,18 +322,40 @@ def run_chunk(words, chunk):
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
-def _chunk(words, chunk):
-    run_chunk(words, chunk)
+def _chunk_f32(words, chunk):
+    run_chunk(words, chunk, np.float32)
 
 
-export_symbol("jaxllm_cpu_ragged_paged_attention_chunk", _chunk.address)
-_chunk_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk", True)
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _chunk_f16(words, chunk):
+    run_chunk(words, chunk, np.uint16)
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _chunk_bf16(words, chunk):
+    run_chunk(words, chunk, np.int16)
+
+
+for _name, _fn in (("f32", _chunk_f32), ("f16", _chunk_f16), ("bf16", _chunk_bf16)):
+    export_symbol(f"jaxllm_cpu_ragged_paged_attention_chunk_{_name}", _fn.address)
+_chunk_f32_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk_f32", True)
+_chunk_f16_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk_f16", True)
+_chunk_bf16_address = symbol("jaxllm_cpu_ragged_paged_attention_chunk_bf16", True)
+
+
+@numba.njit(inline="always", **_KW)
+def _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, cache_type):
+    shape, new = (kvh, pages, page_size, d), (t, kvh, d)
+    write_kv(carray(to_ptr(k_p), shape, dtype=cache_type), carray(to_ptr(v_p), shape, dtype=cache_type),
+             carray(to_ptr(k_new_p), new, dtype=cache_type), carray(to_ptr(v_new_p), new, dtype=cache_type),
+             carray(to_ptr(slots_p), (t,), dtype=np.int32))
 
 
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (params, q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
-    query_start_loc); outputs (out, k_cache, v_cache), the caches aliased to their inputs and updated in place."""
+    query_start_loc), k/v and the caches of one `CACHE_TYPES` type; outputs (out, k_cache, v_cache), the caches
+    aliased to their inputs and updated in place."""
     params_p, _ = buffer(frame, 0)
     q_p, q_d = buffer(frame, 1)
     k_new_p, _ = buffer(frame, 2)
@@ -273,10 +370,16 @@ def _execute(frame):
     t, h, d = dim(q_d, 0), dim(q_d, 1), dim(q_d, 2)
     kvh, pages, page_size = dim(k_d, 0), dim(k_d, 1), dim(k_d, 2)
     num_seqs, max_pages = dim(lens_d, 0), dim(tables_d, 1)
-    k_cache = carray(to_ptr(k_p), (kvh, pages, page_size, d), dtype=np.float32)
-    v_cache = carray(to_ptr(v_p), (kvh, pages, page_size, d), dtype=np.float32)
-    write_kv(k_cache, v_cache, carray(to_ptr(k_new_p), (t, kvh, d), dtype=np.float32),
-             carray(to_ptr(v_new_p), (t, kvh, d), dtype=np.float32), carray(to_ptr(slots_p), (t,), dtype=np.int32))
+    cache = buffer_dtype(frame, 5)  # the step's K/V (inputs 2, 3) come in the cache's type
+    if cache == F16:
+        _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, np.uint16)
+        chunk_fn = _chunk_f16_address()
+    elif cache == BF16:
+        _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, np.int16)
+        chunk_fn = _chunk_bf16_address()
+    else:  # F32: `cpu.write_and_attend` passes no other type
+        _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, np.float32)
+        chunk_fn = _chunk_f32_address()
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
     n = workers()
     min_items = 4 * n if n > 1 else 0  # below: split the items by q head to share them evenly
@@ -284,7 +387,7 @@ def _execute(frame):
                 carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q, min_items,
                 carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
-                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], _chunk_address(), False)
+                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], chunk_fn, False)
     keep_alive(work)  # the chunks read it through its address
 
 

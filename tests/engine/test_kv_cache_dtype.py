@@ -1,6 +1,7 @@
 """`kv_cache_dtype`: the KV cache stored in bfloat16 or float8 while the model computes in float32. The paged
 path's logits stay close to those of a float32 cache; the engine allocates, sizes and runs such caches; the CPU
-attention kernel (float32 caches only) is refused for them rather than silently replaced."""
+attention kernel (float32, float16 and bfloat16 caches) is refused for float8 ones rather than silently
+replaced."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,7 +37,7 @@ def test_the_engine_runs_a_float8_cache(tiny_model_dir, compile_cache_dir):
     llm = LLM(str(folder), dtype="float32", kv_cache_dtype="float8_e4m3fn", num_pages=32, max_model_len=64,
               max_num_seqs=2, max_num_batched_tokens=32, compilation_cache_dir=compile_cache_dir)
     assert llm.engine.runner.caches[0].dtype == jnp.float8_e4m3fn
-    assert llm.engine.model.kernels.attention == "reference"  # auto: the CPU kernel reads float32 caches only
+    assert llm.engine.model.kernels.attention == "reference"  # auto: the CPU kernel reads no float8 caches
     out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=6,
                                                                              ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
@@ -44,8 +45,8 @@ def test_the_engine_runs_a_float8_cache(tiny_model_dir, compile_cache_dir):
 
 def test_the_cpu_attention_kernel_is_refused_for_a_narrow_cache():
     model = LlamaForCausalLM(CFG, attn_impl="cpu", rngs=nnx.Rngs(0))
-    with pytest.raises(ConfigError, match="cpu attention kernel reads float32 caches"):
-        LLM(model=model, kv_cache_dtype="bfloat16", num_pages=8, max_model_len=32, max_num_seqs=1,
+    with pytest.raises(ConfigError, match="cpu attention kernel reads float32, float16 or bfloat16 caches"):
+        LLM(model=model, kv_cache_dtype="float8_e5m2", num_pages=8, max_model_len=32, max_num_seqs=1,
             max_num_batched_tokens=16)
     with pytest.raises(ConfigError, match="kv_cache_dtype must be auto or one of"):
         EngineConfig(kv_cache_dtype="int4")

@@ -1,5 +1,6 @@
 """The numba CPU kernel, directly (every work item on the calling thread) and through its XLA FFI custom call
-(cache write + attention, work items shared with XLA's thread pool), against a naive dense attention."""
+(cache write + attention, work items shared with XLA's thread pool), against a naive dense attention; float32,
+float16 and bfloat16 caches."""
 
 import dataclasses
 import functools
@@ -12,19 +13,30 @@ import pytest
 from jaxllm.kernels import attention_kernel, choose_kernels
 from pallas_kernels.cpu_ffi import busy_slots
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.cpu_kernel import attend_serial
+from pallas_kernels.ragged_paged_attention.cpu_kernel import CACHE_TYPES, attend_serial
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
 from tests.pallas_kernels.ragged_paged_attention.test_reference import naive_attention
 
 OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
 OPTION_IDS = ["plain", "window", "softcap"]
+HALF_TYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
+# the integer type the kernel sees a 16-bit cache as (the format's bits)
+KERNEL_VIEW = {jnp.dtype(jnp.float16): np.uint16, jnp.dtype(jnp.bfloat16): np.int16}
+
+
+def _narrowed(case, dtype):
+    """The case with its caches rounded to `dtype` (queries stay float32)."""
+    return dataclasses.replace(case, k_cache=case.k_cache.astype(dtype), v_cache=case.v_cache.astype(dtype))
 
 
 def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None):
     m = case.meta
     q = np.asarray(case.q)
     out = np.full_like(q, np.nan)  # every element must be written, padding rows included
-    attend_serial(q, np.asarray(case.k_cache), np.asarray(case.v_cache), np.asarray(m.kv_lens),
+    k_cache, v_cache = np.asarray(case.k_cache), np.asarray(case.v_cache)
+    if case.k_cache.dtype in KERNEL_VIEW:
+        k_cache, v_cache = (c.view(KERNEL_VIEW[case.k_cache.dtype]) for c in (k_cache, v_cache))
+    attend_serial(q, k_cache, v_cache, np.asarray(m.kv_lens),
            np.asarray(m.block_tables), np.asarray(m.query_start_loc), out, np.float32(q.shape[-1] ** -0.5),
            sliding_window or 0, np.float32(soft_cap or 0.0), block_q, min_items)
     return out
@@ -41,6 +53,31 @@ def test_kernel_matches_naive_dense(kind, block_q, options, split):
     assert np.all(got[case.num_real_tokens:] == 0)
 
 
+def test_the_kernel_views_every_cache_type_by_its_ffi_type():
+    assert set(CACHE_TYPES.values()) == {np.float32, *KERNEL_VIEW.values()}
+    assert {jnp.dtype(t) for t in cpu.CACHE_DTYPES} == {jnp.dtype(jnp.float32), *KERNEL_VIEW}
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF_TYPES))
+@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("options", OPTIONS[:2], ids=OPTION_IDS[:2])
+def test_16_bit_caches_are_widened_exactly(dtype, kind, options):
+    """The kernel reads float16 / bfloat16 pages as the float32 values they hold: its output equals float32
+    attention over the rounded caches (to float32 rounding), whatever the rounding cost against the originals."""
+    case = _narrowed(make_case(kind, num_heads=6, num_kv_heads=2, head_dim=32, page_size=8, dtype=np.float32),
+                     HALF_TYPES[dtype])
+    got = _direct(case, 4, 0, **options)
+    np.testing.assert_allclose(got, naive_attention(case, **options), atol=1e-5, rtol=1e-5)
+    widened = _narrowed(case, jnp.float32)
+    np.testing.assert_allclose(got, _direct(widened, 4, 0, **options), atol=1e-6, rtol=1e-6)
+    assert np.all(got[case.num_real_tokens:] == 0)
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"u{a.itemsize}")
+
+
 def _step(impl, case, **options):
     """Writes fresh K/V for the step's tokens, then attends: -> (out, k_cache, v_cache) and the case with the
     expected caches (the new K/V written in numpy)."""
@@ -48,13 +85,13 @@ def _step(impl, case, **options):
     t, kvh, d = case.q.shape[0], case.k_cache.shape[0], case.q.shape[-1]
     rng = np.random.default_rng(7)
     k_new, v_new = (rng.standard_normal((t, kvh, d)).astype(np.float32) for _ in range(2))
-    expected_k, expected_v = np.array(case.k_cache), np.array(case.v_cache)
+    expected_k, expected_v = np.array(case.k_cache), np.array(case.v_cache)  # the cache's dtype: writes round
     page_size = expected_k.shape[2]
     for tok, slot in enumerate(np.asarray(m.slot_mapping)):
         if slot >= 0:
             expected_k[:, slot // page_size, slot % page_size] = k_new[tok]
             expected_v[:, slot // page_size, slot % page_size] = v_new[tok]
-    kernel = attention_kernel(choose_kernels(impl, platform="cpu"))
+    kernel = attention_kernel(choose_kernels(impl, platform="cpu", kv_dtype=case.k_cache.dtype))
     step = jax.jit(functools.partial(kernel, sm_scale=d ** -0.5, **options), donate_argnums=(3, 4))
     got = step(case.q, jnp.asarray(k_new), jnp.asarray(v_new), jnp.array(case.k_cache), jnp.array(case.v_cache),
                m.slot_mapping, m.kv_lens, m.block_tables, m.query_start_loc)
@@ -62,18 +99,22 @@ def _step(impl, case, **options):
     return [np.asarray(x) for x in got], expected_case
 
 
-@pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("options", OPTIONS, ids=OPTION_IDS)
-def test_custom_call_writes_the_cache_then_attends(kind, options):
+@pytest.mark.parametrize(("kind", "options", "dtype"), [
+    *((kind, options, "float32") for kind in sorted(KINDS) for options in OPTIONS),
+    *((kind, {}, dtype) for kind in sorted(KINDS) for dtype in sorted(HALF_TYPES))])
+def test_custom_call_writes_the_cache_then_attends(kind, options, dtype):
     case = make_case(kind, num_heads=9, num_kv_heads=3, head_dim=64, page_size=16, dtype=np.float32)
+    case = _narrowed(case, HALF_TYPES.get(dtype, jnp.float32))
     (out, k_cache, v_cache), expected = _step("cpu", case, **options)
-    np.testing.assert_array_equal(k_cache, np.asarray(expected.k_cache))  # NaN pages untouched, new K/V in place
-    np.testing.assert_array_equal(v_cache, np.asarray(expected.v_cache))
+    assert k_cache.dtype == case.k_cache.dtype
+    # bit for bit: NaN pages untouched, the new K/V in place, rounded to the cache's type as numpy rounds them
+    np.testing.assert_array_equal(_bits(k_cache), _bits(expected.k_cache))
+    np.testing.assert_array_equal(_bits(v_cache), _bits(expected.v_cache))
     np.testing.assert_allclose(out, naive_attention(expected, **options), atol=1e-5, rtol=1e-5)
     assert np.all(out[case.num_real_tokens:] == 0)
     reference, _ = _step("reference", case, **options)  # the same step through the jnp path
     np.testing.assert_allclose(out, reference[0], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(k_cache, reference[1])
+    np.testing.assert_array_equal(_bits(k_cache), _bits(reference[1]))
     assert busy_slots() == 0  # every launch released its slot
 
 
@@ -86,10 +127,12 @@ def _lowered(dtype):
         m.query_start_loc).as_text()
 
 
-def test_float32_runs_the_custom_call_and_bfloat16_is_refused():
+def test_float_caches_run_the_custom_call_and_float8_is_refused():
     """The kernel choice sends other cache dtypes to the reference (`jaxllm.kernels`); the kernel itself does not
     fall back silently."""
-    assert cpu.TARGET in _lowered(jnp.float32)
-    with pytest.raises(ValueError, match="reads float32 caches, not bfloat16"):
-        _lowered(jnp.bfloat16)
-    assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.bfloat16).attention == "reference"
+    for dtype in cpu.CACHE_DTYPES:
+        assert cpu.TARGET in _lowered(dtype)
+        assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=dtype).attention == "cpu"
+    with pytest.raises(ValueError, match="reads float32, float16 or bfloat16 caches, not float8_e4m3fn"):
+        _lowered(jnp.float8_e4m3fn)
+    assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn).attention == "reference"
