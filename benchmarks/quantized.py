@@ -9,7 +9,8 @@ makes from it):
 - resident weights: jaxllm's parameter bytes against the file's tensor bytes (RSS over a load:
   tests/loading/test_quantized_memory.py).
 
-jaxllm also runs the Q4_1 file dequantized to float32 (quantization="none"), the previous default. Engines
+jaxllm runs with the `smollm2-cpu` preset (so a float16 KV cache, as llama.cpp's) and also runs the Q4_1 file
+dequantized to float32 (quantization="none"), the previous default. Engines
 alternate within each round, each jaxllm configuration in its own process; figures are medians over rounds.
 
     python benchmarks/quantized.py [--rounds 3] [--json benchmarks/results/quantized_cpu.json]
@@ -35,8 +36,7 @@ def run_jaxllm(model: str, quantization: str) -> dict:
     from jaxllm.loading import weight_bytes
     from jaxllm.loading.gguf_file import GGUFFile
 
-    llm = LLM(model, quantization=quantization, max_num_seqs=32, max_num_batched_tokens=512, num_pages=640,
-              max_model_len=1024)
+    llm = LLM(model, preset="smollm2-cpu", quantization=quantization, num_pages=640, max_model_len=1024)
     result = workload.run(llm, single_runs=2)
     del result["ttft_s"]
     tensor_bytes = sum(t.nbytes for t in GGUFFile(model).tensors.values())

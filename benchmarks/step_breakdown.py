@@ -1,5 +1,6 @@
-"""Where a decode step's time goes: the engine (defaults, or the given quantization) decodes a batch of the peer
-workload's prompts under JAX's profiler, and each step's wall time is split into
+"""Where a decode step's time goes: the engine (the `smollm2-cpu` preset, or it with the given quantization and
+KV cache dtype) decodes a batch of the peer workload's prompts under JAX's profiler, and each step's wall time is
+split into
 
 - attention: the paged-attention op (custom call or XLA ops named by the kernel);
 - layer matmuls: matmul custom calls and dots inside the decoder's layer loop;
@@ -13,7 +14,8 @@ Ops are told apart by the step executable's optimized HLO (custom-call targets, 
 they ran in one step (once a layer: the layer loop's body; once: outside it). The profiler adds a little time to
 every op: compare breakdowns, not totals against other benchmarks.
 
-    python benchmarks/step_breakdown.py [--batch 1,32] [--steps 16] [--quantization auto] [--json out.json]
+    python benchmarks/step_breakdown.py [--batch 1,32] [--steps 16] [--quantization auto] [--kv-cache-dtype float32]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -88,11 +90,13 @@ def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float]) -> 
     return result
 
 
-def measure(batch: int, steps: int, quantization: str | None) -> dict:
+def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: str | None = None) -> dict:
     from jaxllm import LLM, SamplingParams
 
     options = {} if quantization is None else {"quantization": quantization}
-    llm = LLM(max_num_seqs=max(batch, 1), **options)
+    if kv_cache_dtype is not None:
+        options["kv_cache_dtype"] = kv_cache_dtype
+    llm = LLM(preset="smollm2-cpu", max_num_seqs=max(batch, 1), **options)
     engine = llm.engine
     work = workload.load()
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
@@ -114,7 +118,8 @@ def measure(batch: int, steps: int, quantization: str | None) -> dict:
         jax.profiler.stop_trace()
         events = _load_trace(trace_dir)
     result = breakdown(events, kinds, walls)
-    result.update(batch=batch, bucket=list(bucket), quantization=quantization or "default")
+    result.update(batch=batch, bucket=list(bucket), quantization=quantization or "default",
+                  kv_cache_dtype=jax.numpy.dtype(engine.kv_cache_dtype).name)
     return result
 
 
@@ -122,10 +127,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", default="1,32")
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--quantization", help="engine quantization (default: the engine's default)")
+    p.add_argument("--quantization", help="engine quantization (default: the preset's)")
+    p.add_argument("--kv-cache-dtype", help="KV cache dtype (default: the preset's)")
     p.add_argument("--json")
     args = p.parse_args()
-    results = [measure(int(b), args.steps, args.quantization) for b in args.batch.split(",")]
+    results = [measure(int(b), args.steps, args.quantization, args.kv_cache_dtype) for b in args.batch.split(",")]
     print(f"{'batch':>5s} {'step ms':>8s} " + " ".join(f"{part:>17s}" for part in PARTS))
     for r in results:
         print(f"{r['batch']:5d} {r['step']:8.2f} " + " ".join(

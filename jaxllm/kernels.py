@@ -5,7 +5,8 @@
 the step a TPU or GPU runs, with the native kernels. Every rule lives here:
 
 - "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32,
-  float16 and bfloat16 caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for float32, else XLA's dot.
+  float16 and bfloat16 caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for
+  float32, else XLA's dot.
 - Tensor parallelism on CPU takes the references: the CPU kernels are opaque custom calls that GSPMD cannot
   split by heads or rows.
 - A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);

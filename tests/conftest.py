@@ -41,9 +41,10 @@ def compile_cache_dir(tmp_path_factory):
 
 # One engine configuration for the in-process engine tests and the test server (tests/server/conftest.py):
 # equal shapes, so the buckets compiled once load from the session's persistent cache afterwards.
-# Float weights (quantization="none"): the transformers parity tests compare with the dequantized model.
-ENGINE_OPTIONS = dict(dtype="float32", quantization="none", attn_impl="reference", max_num_seqs=64,
-                      max_num_batched_tokens=128, num_pages=768, max_model_len=1024)
+# Float weights (quantization="none") and a float32 KV cache (the server's preset narrows it): the transformers
+# parity tests compare with the dequantized model.
+ENGINE_OPTIONS = dict(dtype="float32", quantization="none", kv_cache_dtype="float32", attn_impl="reference",
+                      max_num_seqs=64, max_num_batched_tokens=128, num_pages=768, max_model_len=1024)
 
 
 @pytest.fixture(scope="session")
