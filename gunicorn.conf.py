@@ -1,16 +1,28 @@
-"""gunicorn settings for ``gunicorn server.app:app``: one gevent worker holding the engine.
+"""gunicorn settings for ``gunicorn server.app:app``. Three ways to run (README, "Serve modes"):
 
-One worker: each worker process would load its own model and KV cache. No preload: JAX must not start in
-the master before the fork. The engine runs in its own OS thread, so the gevent hub stays free for I/O.
+- default: one gevent worker holding the engine in its own OS thread (each worker would load its own model and
+  KV cache, so there is one);
+- JAXLLM_API_SERVERS=N (N > 1): N gevent workers (HTTP, JSON, tokenization, detokenized output assembly, SSE)
+  sharing one engine-core process (`python -m server.engine_core`) that this master starts on a private IPC
+  address with a fresh shared secret, and restarts if it dies (workers answer 503 meanwhile, then reconnect);
+- JAXLLM_ENGINE_ADDRESS (+ JAXLLM_ENGINE_SECRET): N = JAXLLM_API_SERVERS workers (default 1) using an engine
+  core started elsewhere (headless); this master starts none.
+
+No preload: JAX must not start in the master (it never imports it).
 """
 
 import os
 
 bind = os.environ.get("JAXLLM_BIND", "0.0.0.0:8000")
-workers = 1
+api_servers = int(os.environ.get("JAXLLM_API_SERVERS", "1"))
+if api_servers < 1:
+    raise ValueError(f"JAXLLM_API_SERVERS={api_servers}: at least 1")
+remote_engine = bool(os.environ.get("JAXLLM_ENGINE_ADDRESS"))
+engine_process = api_servers > 1 and not remote_engine  # this master runs the engine core
+workers = api_servers
 worker_class = "gevent"
 worker_connections = 1000
-# Loading the model and compiling every bucket happens before the worker serves; give it time.
+# Loading the model and compiling every bucket happens before the worker (or the engine core) serves.
 timeout = int(os.environ.get("JAXLLM_WORKER_TIMEOUT", 600))
 graceful_timeout = int(float(os.environ.get("JAXLLM_DRAIN_TIMEOUT", 30))) + 5
 keepalive = 5
@@ -19,22 +31,43 @@ loglevel = os.environ.get("JAXLLM_LOG_LEVEL", "info")
 # TLS: gunicorn terminates it itself when both files are given.
 certfile = os.environ.get("JAXLLM_SSL_CERTFILE") or None
 keyfile = os.environ.get("JAXLLM_SSL_KEYFILE") or None
+_core = None
+
+
+def on_starting(server):
+    """Several API workers: start the engine core they share before any worker is forked."""
+    global _core
+    if engine_process:
+        from server.core_supervisor import CoreSupervisor
+
+        _core = CoreSupervisor(server.log)
+        _core.start()  # sets JAXLLM_ENGINE_ADDRESS / JAXLLM_ENGINE_SECRET, inherited by the workers
+
+
+def on_exit(server):
+    if _core is not None:
+        _core.stop()
 
 
 def post_worker_init(worker):
-    """If the engine dies (a device error, a bug in a step), this worker exits once in-flight requests got
-    their 503, and gunicorn's arbiter starts a fresh worker: its restart is the recovery mechanism."""
+    """In-process engine: if it dies (a device error, a bug in a step), this worker exits once in-flight requests
+    got their 503, and gunicorn's arbiter starts a fresh worker: its restart is the recovery mechanism. (With an
+    engine-core process the worker stays up, answers 503 and reconnects when the core is back.)"""
     import signal
 
     import server.app as app_module
+    from jaxllm.engine.engine_loop import EngineLoop
 
     if app_module._app is not None:
-        pid = os.getpid()
-        app_module._app.extensions["jaxllm"].loop.on_death = lambda: os.kill(pid, signal.SIGTERM)
+        loop = app_module._app.extensions["jaxllm"].loop
+        if isinstance(loop, EngineLoop):
+            pid = os.getpid()
+            loop.on_death = lambda: os.kill(pid, signal.SIGTERM)
 
 
 def worker_exit(server, worker):
-    """SIGTERM: gunicorn stops accepting and lets in-flight requests finish; then stop the engine."""
+    """SIGTERM: gunicorn stops accepting and lets in-flight requests finish; then stop the engine (or, with an
+    engine core, this worker's requests in it)."""
     import server.app as app_module
 
     if app_module._app is not None:

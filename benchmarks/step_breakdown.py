@@ -15,7 +15,7 @@ they ran in one step (once a layer: the layer loop's body; once: outside it). Th
 every op: compare breakdowns, not totals against other benchmarks.
 
     python benchmarks/step_breakdown.py [--batch 1,32] [--steps 16] [--quantization auto] [--kv-cache-dtype float32]
-        [--json out.json]
+        [--model path.gguf] [--json out.json]
 """
 
 from __future__ import annotations
@@ -90,10 +90,13 @@ def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float]) -> 
     return result
 
 
-def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: str | None = None) -> dict:
+def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: str | None = None,
+            model: str | None = None) -> dict:
     from jaxllm import LLM, SamplingParams
 
     options = {} if quantization is None else {"quantization": quantization}
+    if model is not None:
+        options["model"] = model
     if kv_cache_dtype is not None:
         options["kv_cache_dtype"] = kv_cache_dtype
     llm = LLM(preset="smollm2-cpu", max_num_seqs=max(batch, 1), **options)
@@ -129,9 +132,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--quantization", help="engine quantization (default: the preset's)")
     p.add_argument("--kv-cache-dtype", help="KV cache dtype (default: the preset's)")
+    p.add_argument("--model", help="model path (default: the preset's, the embedded GGUF)")
     p.add_argument("--json")
     args = p.parse_args()
-    results = [measure(int(b), args.steps, args.quantization, args.kv_cache_dtype) for b in args.batch.split(",")]
+    results = [measure(int(b), args.steps, args.quantization, args.kv_cache_dtype, args.model)
+               for b in args.batch.split(",")]
     print(f"{'batch':>5s} {'step ms':>8s} " + " ".join(f"{part:>17s}" for part in PARTS))
     for r in results:
         print(f"{r['batch']:5d} {r['step']:8.2f} " + " ".join(

@@ -89,7 +89,7 @@ def tokenize():
 def detokenize():
     req = parse(DetokenizeRequest)
     st = state()
-    vocab = st.engine.model.config.vocab_size
+    vocab = st.engine.limits.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
     if st.engine.tokenizer is None:

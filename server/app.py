@@ -13,6 +13,7 @@ import uuid
 from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
 from server import admin_routes, openai_routes
@@ -31,15 +32,24 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")  # a client's X-Request-Id, e
 
 
 def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Flask:
-    if engine is None:
-        logger.info("starting the engine: %s", settings.engine)
-        engine = LLMEngine(settings.engine)
+    """An app on `engine`, or on the engine-core process at `settings.engine_address`, or on an engine it
+    starts in this process."""
+    if settings.engine_address and engine is None:
+        if not settings.engine_secret:
+            raise ValueError("JAXLLM_ENGINE_ADDRESS needs JAXLLM_ENGINE_SECRET, the secret shared with the core")
+        logger.info("connecting to the engine core at %s", settings.engine_address)
+        loop = EngineCoreClient(settings.engine_address, settings.engine_secret, timeout_s=settings.startup_timeout_s)
+        engine = loop.engine  # the frontend: tokenizer and limits; the model is in the core
+    else:
+        if engine is None:
+            logger.info("starting the engine: %s", settings.engine)
+            engine = LLMEngine(settings.engine)
+        loop = EngineLoop(engine)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.set_chat_template(settings.chat_template)  # before any request: one writer
     app = Flask("jaxllm")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    loop = EngineLoop(engine)
     st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, engine.model_name))
     app.extensions["jaxllm"] = st
     app.register_blueprint(openai_routes.bp)

@@ -11,6 +11,9 @@ default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing t
 --chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template),
 JAXLLM_REASONING_PARSER (qwen3, deepseek_r1: <think> blocks go to reasoning_content; default: off).
 TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
+Serve modes (see README): JAXLLM_ENGINE_ADDRESS (a ZeroMQ address, e.g. tcp://10.0.0.5:5555 or ipc:///run/core:
+use the engine-core process there instead of an engine in this process) with JAXLLM_ENGINE_SECRET (the secret
+shared with it); JAXLLM_API_SERVERS (gunicorn.conf.py: N API worker processes sharing one engine-core process).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ class ServerSettings:
     chat_template: str | None = None  # a template's source, replacing the model's
     tool_call_parser: str | None = None  # None: chosen from the chat template
     reasoning_parser: str | None = None  # None: no reasoning_content
+    engine_address: str | None = None  # an engine-core process to use; None: the engine runs in this process
+    engine_secret: str | None = None  # shared with that engine core
+    startup_timeout_s: float = 600.0  # how long to wait for the engine core's handshake
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -65,4 +71,7 @@ class ServerSettings:
                    allowed_origins=tuple(o.strip() for o in env.get("JAXLLM_ALLOWED_ORIGINS", "").split(",")
                                          if o.strip()),
                    chat_template=Path(template_path).read_text() if template_path else None,
-                   tool_call_parser=parser, reasoning_parser=reasoning)
+                   tool_call_parser=parser, reasoning_parser=reasoning,
+                   engine_address=env.get("JAXLLM_ENGINE_ADDRESS") or None,
+                   engine_secret=env.get("JAXLLM_ENGINE_SECRET") or None,
+                   startup_timeout_s=float(env.get("JAXLLM_WORKER_TIMEOUT", 600)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.engine_loop import EngineLoop
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
@@ -12,7 +13,7 @@ from server.settings import ServerSettings
 @dataclasses.dataclass
 class ServerState:
     settings: ServerSettings
-    loop: EngineLoop
+    loop: EngineLoop | EngineCoreClient  # the engine in this process, or an engine-core process's client
     metrics: ServerMetrics
     active_requests: int = 0  # touched only by request greenlets (one hub thread)
 
@@ -27,5 +28,4 @@ class ServerState:
     @property
     def capacity(self) -> int:
         """Requests in flight beyond which new ones get 429: the running batch plus the waiting queue."""
-        cfg = self.settings.engine
-        return cfg.max_num_seqs + cfg.max_waiting_requests
+        return self.loop.capacity

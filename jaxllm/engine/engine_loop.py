@@ -58,6 +58,12 @@ class EngineLoop:
     def alive(self) -> bool:
         return self.error is None and not self.stopped
 
+    @property
+    def capacity(self) -> int:
+        """Requests in flight beyond which a server refuses new ones: the running batch plus the waiting queue."""
+        cfg = self.engine.config
+        return cfg.max_num_seqs + cfg.max_waiting_requests
+
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput], None], cache_salt: str | None = None, *,
                     prepared: tuple[str | None, list[int]] | None = None) -> None:

@@ -3,7 +3,6 @@ scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` 
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import random
@@ -20,6 +19,7 @@ from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.executable_cache import ExecutableCache
+from jaxllm.engine.frontend import Frontend
 from jaxllm.engine.model_runner import ModelRunner, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
@@ -30,7 +30,7 @@ from jaxllm.kernels import CPU_CACHE_DTYPES
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
+from jaxllm.sampling_params import RequestLimits, SamplingParams
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
@@ -66,16 +66,6 @@ def _kv_budget_bytes(fraction: float) -> int:
     return int((stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) * fraction)
 
 
-MAX_CACHE_SALT_CHARS = 1024
-
-
-def check_cache_salt(salt: str | None) -> None:
-    if salt is not None:
-        check_text("cache_salt", salt)
-        if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
-            raise InvalidRequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
@@ -101,8 +91,6 @@ class LLMEngine:
         else:
             mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
         self.model, self.tokenizer = model, tokenizer
-        if tokenizer is not None:
-            tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
         self.model_name = config.served_model_name or name
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
@@ -112,6 +100,7 @@ class LLMEngine:
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n)
+        self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
@@ -152,58 +141,17 @@ class LLMEngine:
                     num_pages * page_bytes / 2**30, max_len, num_pages * c.page_size / max_len)
         return num_pages, max_len
 
-    # -- requests
+    # -- requests (validation and tokenization: the frontend's, shared by every serve mode)
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
                        cache_salt: str | None = None) -> tuple[str | None, list[int]]:
-        """Tokenizes and validates a prompt, the sampling parameters against it and the model's limits, and the
-        cache salt (the one validation every entry point goes through); safe to call from any thread. Raises
-        InvalidRequestError naming the parameter."""
-        check_cache_salt(cache_salt)
-        vocab = self.limits.vocab_size
-        if isinstance(prompt, str):
-            check_text("prompt", prompt)
-            if not prompt.strip():
-                raise InvalidRequestError("prompt must contain text other than whitespace", "prompt")
-            if self.tokenizer is None:
-                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids", "prompt")
-            self.check_text_fits(prompt)
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, list | tuple):
-            text, ids = None, [check_int("prompt", i, 0, vocab - 1) for i in prompt]
-        else:
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
-                                      "prompt")
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", "prompt")
-        if len(ids) >= self.max_model_len:
-            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
-                                     f"{self.max_model_len} tokens, including at least one generated token")
-        if params is not None:
-            if not isinstance(params, SamplingParams):
-                raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
-            params.verify(self.limits, len(ids))
-            if params.structured_outputs is not None:
-                self.grammars.matcher(params.structured_outputs)  # compiled (and cached) now: a bad one is refused
-        return text, ids
-
-    @functools.cached_property
-    def grammars(self) -> GrammarCompiler:
-        """The compiled structured-output grammars of this engine's tokenizer (built on first use)."""
-        if self.tokenizer is None:
-            raise InvalidRequestError("structured outputs need a tokenizer; this engine has none",
-                                      "structured_outputs")
-        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
+        return self.frontend.prepare_prompt(prompt, params, cache_salt)
 
     def check_text_fits(self, text: str) -> None:
-        """Refuses, without tokenizing it, a text too long to fit in the context whatever it tokenizes to (each
-        token is at most `max_token_bytes` of text; 4x slack for normalizers that shrink text). Tokenizing 10 MB
-        takes seconds, so an over-long prompt must not get that far."""
-        limit = 4 * self.max_model_len * self.tokenizer.max_token_bytes
-        size = len(text.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise PromptTooLongError(f"the prompt has {size} bytes of text, more than {self.max_model_len} tokens "
-                                     f"of this model can hold (this model's maximum context length is "
-                                     f"{self.max_model_len} tokens)")
+        self.frontend.check_text_fits(text)
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        return self.frontend.grammars
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     on_output: Callable[[RequestOutput], None] | None = None, *,

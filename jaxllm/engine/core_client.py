@@ -1,0 +1,252 @@
+"""An API server's handle on an engine-core process: the same interface as the in-process `EngineLoop`
+(`add_request`, `abort_request`, `alive`, `stats`, `stop`, `engine`), over ZeroMQ (see `core_protocol`).
+
+`engine` is a `Frontend` built from the limits the core sends at the handshake and the model's tokenizer,
+loaded here: prompts are tokenized and validated in this process. One reader (a greenlet under gevent, else a
+daemon thread) receives outputs and hands them to each request's callback, rebuilt into cumulative
+`RequestOutput`s. When the core's connection drops (the process died) every unfinished request gets an
+`EngineDeadError` at once and `alive` turns false; when a core is listening on the address again, the client
+passes the handshake again and serves."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from jaxllm.engine import core_protocol as proto
+from jaxllm.engine.engine_loop import EngineDeadError
+from jaxllm.engine.frontend import Frontend
+from jaxllm.errors import InvalidRequestError
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import RequestLimits, SamplingParams
+
+logger = logging.getLogger("jaxllm.engine_client")
+HEARTBEAT_TIMEOUT_S = 10.0  # no stats for this long from a connected core: it is hung, treat it as dead
+HANDSHAKE_RETRY_S = 1.0
+
+
+class EngineCoreRefused(RuntimeError):
+    pass
+
+
+def _gevent_active() -> bool:
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    return monkey.is_module_patched("socket")
+
+
+class EngineCoreClient:
+    def __init__(self, address: str, secret: str, *, timeout_s: float = 600.0,
+                 tokenizer_loader: Callable[[dict], object] | None = None,
+                 on_death: Callable[[], None] | None = None):
+        self.green = _gevent_active()
+        if self.green:
+            import zmq.green as zmq
+        else:
+            import zmq
+        self.zmq = zmq
+        self.address, self.secret, self.on_death = address, secret, on_death
+        self.ctx = zmq.Context()
+        self._lock = _NoLock() if self.green else threading.Lock()
+        self.sock = self._socket()
+        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.requests: dict[str, proto.OutputAssembler] = {}
+        self.stats: dict = {}
+        self.error: str | None = None
+        self.stopped = False
+        self._ready = False
+        self._last_heard = time.monotonic()
+        info = self._handshake(timeout_s)
+        self.info, self.stats = info, info.get("stats", {})
+        load = tokenizer_loader or _load_tokenizer
+        self.engine = Frontend(load(info), RequestLimits(vocab_size=info["vocab_size"],
+                                                         max_model_len=info["max_model_len"], max_n=info["max_n"]),
+                               tuple(info["eos_token_ids"]), info["model_name"])
+        self._start_reader()
+
+    def _socket(self):
+        zmq = self.zmq
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, os.urandom(16))
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a core that is not there (no stale hellos)
+        sock.connect(self.address)
+        return sock
+
+    # -- the interface the server uses (as EngineLoop's)
+    @property
+    def alive(self) -> bool:
+        return self._ready and not self.stopped
+
+    @property
+    def capacity(self) -> int:
+        return self.info["max_num_seqs"] + self.info["max_waiting_requests"]
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
+                    on_output: Callable[[RequestOutput | Exception], None], cache_salt: str | None = None, *,
+                    prepared: tuple[str | None, list[int]] | None = None) -> None:
+        if not self.alive:
+            raise EngineDeadError(self.error or "the engine core is not connected")
+        text, ids = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
+        self.requests[request_id] = proto.OutputAssembler(request_id, text, ids, on_output)
+        payload = proto.encode("add", request_id, text, ids, params, cache_salt)
+        with self._lock:
+            self.sock.send(payload)
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self.requests and self.alive:
+            with self._lock:
+                self.sock.send(proto.encode("abort", request_id))
+
+    def stop(self, drain_timeout_s: float = 0.0) -> None:
+        deadline = time.monotonic() + drain_timeout_s
+        while self.alive and self.requests and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for request_id in list(self.requests):
+            self.abort_request(request_id)
+        self.stopped = True
+
+    # -- the handshake
+    def _handshake(self, timeout_s: float) -> dict:
+        """Blocks until a core on the address accepted this client's proof of the secret; returns its info."""
+        zmq = self.zmq
+        deadline = time.monotonic() + timeout_s
+        answered: set[bytes] = set()
+        while True:
+            try:
+                self.sock.send(proto.encode("hello"), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # not connected yet
+            poll_until = min(deadline, time.monotonic() + HANDSHAKE_RETRY_S)
+            while time.monotonic() < poll_until:
+                if not self.sock.poll(int(max(0.0, poll_until - time.monotonic()) * 1000) + 1, zmq.POLLIN):
+                    continue
+                message = proto.decode(self.sock.recv())
+                if message[0] == "challenge" and message[1] not in answered:
+                    answered.add(message[1])
+                    self.sock.send(proto.encode("auth", proto.prove(self.secret, message[1])))
+                elif message[0] == "ready":
+                    self._ready, self._last_heard = True, time.monotonic()
+                    return message[1]
+                elif message[0] == "refused":
+                    raise EngineCoreRefused(f"the engine core at {self.address} refused this client: {message[1]}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no engine core answered at {self.address} within {timeout_s:.0f} s")
+
+    # -- the reader
+    def _start_reader(self) -> None:
+        if self.green:
+            import gevent
+
+            gevent.spawn(self._read_forever)
+        else:
+            threading.Thread(target=self._read_forever, name="jaxllm-engine-client", daemon=True).start()
+
+    def _read_forever(self) -> None:
+        while not self.stopped:
+            if self._ready:
+                self._read_until_lost()
+            else:
+                self._reconnect()
+
+    def _read_until_lost(self) -> None:
+        zmq = self.zmq
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        # Under gevent every socket call is on the hub's thread; with OS threads the socket is shared with the
+        # request threads' sends, so the reader holds the lock while it touches it and waits in short slices.
+        wait_ms = 500 if self.green else 10
+        while self._ready and not self.stopped:
+            with self._lock:
+                events = dict(poller.poll(timeout=0 if not self.green else wait_ms))
+                if self.monitor in events:
+                    self.monitor.recv_multipart()
+                messages = []
+                if self.sock in events:
+                    while True:
+                        try:
+                            messages.append(self.sock.recv(flags=zmq.NOBLOCK))
+                        except zmq.Again:
+                            break
+            if self.monitor in events:
+                self._lost("the engine core's connection dropped")
+            for payload in messages:
+                self._last_heard = time.monotonic()
+                try:
+                    self._dispatch(proto.decode(payload))
+                except Exception:
+                    logger.exception("bad message from the engine core")
+            if self._ready and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
+                self._lost(f"the engine core sent nothing for {HEARTBEAT_TIMEOUT_S:.0f} s")
+            if not events and not self.green:
+                time.sleep(wait_ms / 1000)
+
+    def _dispatch(self, message: list) -> None:
+        kind = message[0]
+        if kind == "out":
+            assembler = self.requests.get(message[1])
+            if assembler is not None:
+                out = assembler.apply(message[2])
+                if out.finished:
+                    del self.requests[message[1]]
+        elif kind == "fail":
+            assembler = self.requests.pop(message[1], None)
+            if assembler is not None:
+                error = {"invalid": InvalidRequestError, "dead": EngineDeadError}.get(message[2], RuntimeError)
+                assembler.on_output(error(message[3]))
+        elif kind == "stats":
+            self.stats = message[1]
+
+    def _lost(self, why: str) -> None:
+        if not self._ready:
+            return
+        logger.error("%s: failing %d requests", why, len(self.requests))
+        self._ready, self.error = False, why
+        requests, self.requests = self.requests, {}
+        for assembler in requests.values():
+            try:
+                assembler.on_output(EngineDeadError(why))
+            except Exception:
+                logger.exception("request %s: its output callback failed", assembler.request_id)
+        if self.on_death is not None:
+            self.on_death()
+
+    def _reconnect(self) -> None:
+        """A new socket (the old one's queue may hold the dead core's leftovers), then the handshake again."""
+        zmq = self.zmq
+        with self._lock:
+            self.monitor.close(0)
+            self.sock.close(0)
+            self.sock = self._socket()
+            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            try:
+                info = self._handshake(HANDSHAKE_RETRY_S * 2)
+            except TimeoutError:
+                return
+            except EngineCoreRefused as e:
+                logger.error("%s", e)
+                time.sleep(HANDSHAKE_RETRY_S)
+                return
+        self.info, self.error = info, None
+        logger.info("engine core at %s connected again", self.address)
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _load_tokenizer(info: dict):
+    from jaxllm.loading import load_tokenizer
+
+    return load_tokenizer(info.get("model"))  # None: the embedded model

@@ -1,0 +1,89 @@
+"""What a request needs before it reaches the scheduler: tokenization and validation against the model's limits.
+
+One implementation for every serve mode: the in-process engine holds one (`LLMEngine.frontend`), and an API
+server talking to an engine-core process builds its own from the limits the core sends at the handshake, so
+a prompt is tokenized and refused (or accepted) in the API process, where the CPU work spreads over workers, and
+the core only ever sees token ids. Thread-safe: nothing here changes after construction (the grammar compiler
+caches behind its own lock)."""
+
+from __future__ import annotations
+
+import functools
+
+from jaxllm.engine.structured_output import GrammarCompiler
+from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
+from jaxllm.tokenizer.tokenizer import Tokenizer
+
+MAX_CACHE_SALT_CHARS = 1024
+
+
+def check_cache_salt(salt: str | None) -> None:
+    if salt is not None:
+        check_text("cache_salt", salt)
+        if not 0 < len(salt) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
+
+
+class Frontend:
+    def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits, eos_token_ids: tuple[int, ...],
+                 model_name: str):
+        self.tokenizer, self.limits, self.eos_token_ids, self.model_name = tokenizer, limits, eos_token_ids, model_name
+        if tokenizer is not None:
+            tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+        """Tokenizes and validates a prompt, the sampling parameters against it and the model's limits, and the
+        cache salt (the one validation every entry point goes through); safe to call from any thread. Raises
+        InvalidRequestError naming the parameter."""
+        check_cache_salt(cache_salt)
+        vocab = self.limits.vocab_size
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
+            if not prompt.strip():
+                raise InvalidRequestError("prompt must contain text other than whitespace", "prompt")
+            if self.tokenizer is None:
+                raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids", "prompt")
+            self.check_text_fits(prompt)
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, list | tuple):
+            text, ids = None, [check_int("prompt", i, 0, vocab - 1) for i in prompt]
+        else:
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                      "prompt")
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", "prompt")
+        if len(ids) >= self.max_model_len:
+            raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
+                                     f"{self.max_model_len} tokens, including at least one generated token")
+        if params is not None:
+            if not isinstance(params, SamplingParams):
+                raise InvalidRequestError("sampling_params must be a SamplingParams", "sampling_params")
+            params.verify(self.limits, len(ids))
+            if params.structured_outputs is not None:
+                self.grammars.matcher(params.structured_outputs)  # compiled (and cached) now: a bad one is refused
+        return text, ids
+
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """The compiled structured-output grammars of this tokenizer (built on first use)."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a tokenizer; this engine has none",
+                                      "structured_outputs")
+        return GrammarCompiler(self.tokenizer, self.limits.vocab_size, self.eos_token_ids)
+
+    def check_text_fits(self, text: str) -> None:
+        """Refuses, without tokenizing it, a text too long to fit in the context whatever it tokenizes to (each
+        token is at most `max_token_bytes` of text; 4x slack for normalizers that shrink text). Tokenizing 10 MB
+        takes seconds, so an over-long prompt must not get that far."""
+        limit = 4 * self.max_model_len * self.tokenizer.max_token_bytes
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise PromptTooLongError(f"the prompt has {size} bytes of text, more than {self.max_model_len} tokens "
+                                     f"of this model can hold (this model's maximum context length is "
+                                     f"{self.max_model_len} tokens)")
