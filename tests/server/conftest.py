@@ -64,8 +64,27 @@ class Server:
 
     def worker_pids(self) -> list[int]:
         """The gunicorn master's children: its workers."""
-        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        return [int(c) for c in children]
+        children = []  # per thread: the engine-core supervisor's thread starts the core
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                children += (task / "children").read_text().split()
+            except FileNotFoundError:
+                pass
+        return sorted(int(c) for c in children)
+
+    def core_pid(self) -> int | None:
+        """The engine-core process this master started (several-API-workers mode), if any."""
+        for pid in self.worker_pids():
+            try:
+                if b"server.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return pid
+            except FileNotFoundError:
+                pass
+        return None
+
+    def api_worker_pids(self) -> list[int]:
+        core = self.core_pid()
+        return [p for p in self.worker_pids() if p != core]
 
     def metrics(self) -> dict[str, float]:
         return parse_metrics(requests.get(self.url + "/metrics", timeout=5, verify=self.verify or True).text)
@@ -98,6 +117,16 @@ def server(tmp_path_factory, compile_cache_dir):
                   "JAXLLM_MAX_BODY_BYTES": str(1 << 20)}, log)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def multi_api_server(tmp_path_factory, compile_cache_dir):
+    """The same engine as `server`, in an engine-core process shared by two gevent API workers."""
+    log = tmp_path_factory.mktemp("gunicorn_multi") / "server.log"
+    srv = Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir,
+                  "JAXLLM_MAX_BODY_BYTES": str(1 << 20), "JAXLLM_API_SERVERS": "2"}, log)
+    yield srv
+    assert srv.stop() == 0, log.read_text()[-3000:]
 
 
 @pytest.fixture(scope="session")
