@@ -5,8 +5,11 @@
 - JAXLLM_API_SERVERS=N (N > 1): N gevent workers (HTTP, JSON, tokenization, detokenized output assembly, SSE)
   sharing one engine-core process (`python -m server.engine_core`) that this master starts on a private IPC
   address with a fresh shared secret, and restarts if it dies (workers answer 503 meanwhile, then reconnect);
-- JAXLLM_ENGINE_ADDRESS (+ JAXLLM_ENGINE_SECRET): N = JAXLLM_API_SERVERS workers (default 1) using an engine
-  core started elsewhere (headless); this master starts none.
+- JAXLLM_DATA_PARALLEL_SIZE=D (D > 1): D engine-core processes, each on its share of the devices, that the
+  JAXLLM_API_SERVERS workers (default 1) share, each request sent to a rank by load and prefix affinity;
+- JAXLLM_ENGINE_ADDRESS (+ JAXLLM_ENGINE_SECRET): N = JAXLLM_API_SERVERS workers (default 1) using engine
+  cores started elsewhere (headless; comma-separated addresses, one per data-parallel rank); this master starts
+  none.
 
 No preload: JAX must not start in the master (it never imports it).
 """
@@ -17,8 +20,11 @@ bind = os.environ.get("JAXLLM_BIND", "0.0.0.0:8000")
 api_servers = int(os.environ.get("JAXLLM_API_SERVERS", "1"))
 if api_servers < 1:
     raise ValueError(f"JAXLLM_API_SERVERS={api_servers}: at least 1")
+data_parallel_size = int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", "1"))
+if data_parallel_size < 1:
+    raise ValueError(f"JAXLLM_DATA_PARALLEL_SIZE={data_parallel_size}: at least 1")
 remote_engine = bool(os.environ.get("JAXLLM_ENGINE_ADDRESS"))
-engine_process = api_servers > 1 and not remote_engine  # this master runs the engine core
+engine_process = (api_servers > 1 or data_parallel_size > 1) and not remote_engine  # this master runs the cores
 workers = api_servers
 worker_class = "gevent"
 worker_connections = 1000
@@ -35,12 +41,12 @@ _core = None
 
 
 def on_starting(server):
-    """Several API workers: start the engine core they share before any worker is forked."""
+    """Several API workers or data parallelism: start the engine cores before any worker is forked."""
     global _core
     if engine_process:
         from server.core_supervisor import CoreSupervisor
 
-        _core = CoreSupervisor(server.log)
+        _core = CoreSupervisor(server.log, data_parallel_size)
         _core.start()  # sets JAXLLM_ENGINE_ADDRESS / JAXLLM_ENGINE_SECRET, inherited by the workers
 
 

@@ -14,6 +14,7 @@ from flask import Flask, Response, g, request
 from werkzeug.exceptions import HTTPException
 
 from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
 from server import admin_routes, openai_routes
@@ -37,8 +38,12 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     if settings.engine_address and engine is None:
         if not settings.engine_secret:
             raise ValueError("JAXLLM_ENGINE_ADDRESS needs JAXLLM_ENGINE_SECRET, the secret shared with the core")
-        logger.info("connecting to the engine core at %s", settings.engine_address)
-        loop = EngineCoreClient(settings.engine_address, settings.engine_secret, timeout_s=settings.startup_timeout_s)
+        addresses = [a.strip() for a in settings.engine_address.split(",") if a.strip()]
+        logger.info("connecting to the engine core(s) at %s", ", ".join(addresses))
+        if len(addresses) == 1:
+            loop = EngineCoreClient(addresses[0], settings.engine_secret, timeout_s=settings.startup_timeout_s)
+        else:  # one core per data-parallel rank
+            loop = DataParallelClient(addresses, settings.engine_secret, timeout_s=settings.startup_timeout_s)
         engine = loop.engine  # the frontend: tokenizer and limits; the model is in the core
     else:
         if engine is None:

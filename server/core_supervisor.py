@@ -1,9 +1,11 @@
-"""The engine-core process of the several-API-workers mode, started and watched from gunicorn's master.
+"""Engine-core processes started and watched from a parent that never imports JAX: gunicorn's master (several
+API workers) or the headless entry point with data parallelism.
 
-The master never imports JAX: the core is a fresh interpreter (`python -m server.engine_core`) on an IPC
-socket in a private directory, with a random shared secret that only the master's children see. If the core
-exits while the server runs (its engine died, or it was killed), a thread restarts it after `RESTART_DELAY_S`;
-the workers answer 503 meanwhile and reconnect by themselves."""
+Each core is a fresh interpreter (`python -m server.engine_core --address ... --data-parallel-rank r`). Without
+explicit addresses, they listen on IPC sockets in a private directory, with a random shared secret that only
+this process's children see (set in this process's environment, which gunicorn's workers inherit). A core that
+exits while the supervisor runs (its engine died, or it was killed) is restarted after `RESTART_DELAY_S`; the API
+workers answer 503 meanwhile and reconnect by themselves."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ RESTART_DELAY_S = 1.0
 
 
 def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the master goes, even by SIGKILL (Linux; elsewhere a no-op)."""
+    """In the child before exec: SIGTERM when the parent goes, even by SIGKILL (Linux; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -29,45 +31,66 @@ def _die_with_parent() -> None:
 
 
 class CoreSupervisor:
-    def __init__(self, log):
+    def __init__(self, log, data_parallel_size: int = 1, addresses: list[str] | None = None,
+                 secret: str | None = None):
         self.log = log
-        self.dir = tempfile.mkdtemp(prefix="jaxllm-core-")
-        os.chmod(self.dir, 0o700)  # the socket file inherits no access for other users
-        self.address = f"ipc://{self.dir}/engine-core"
-        self.secret = secrets.token_hex(32)
-        self.proc: subprocess.Popen | None = None
+        self.dir = None
+        if addresses is None:
+            self.dir = tempfile.mkdtemp(prefix="jaxllm-core-")
+            os.chmod(self.dir, 0o700)  # the socket files: no access for other users
+            addresses = [f"ipc://{self.dir}/engine-core-{r}" for r in range(data_parallel_size)]
+        if len(addresses) != data_parallel_size:
+            raise ValueError(f"{len(addresses)} addresses for data_parallel_size={data_parallel_size}")
+        self.addresses = addresses
+        self.secret = secret or secrets.token_hex(32)
+        self.procs: list[subprocess.Popen | None] = [None] * data_parallel_size
         self.restarts = 0
         self._stopping = False
 
     def start(self) -> None:
-        os.environ["JAXLLM_ENGINE_ADDRESS"] = self.address
+        os.environ["JAXLLM_ENGINE_ADDRESS"] = ",".join(self.addresses)
         os.environ["JAXLLM_ENGINE_SECRET"] = self.secret
-        self._spawn()
-        threading.Thread(target=self._watch, name="jaxllm-core-supervisor", daemon=True).start()
+        for rank in range(len(self.addresses)):
+            self._spawn(rank)
+            threading.Thread(target=self._watch, args=(rank,), name=f"jaxllm-core-supervisor-{rank}",
+                             daemon=True).start()
 
-    def _spawn(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "server.engine_core", "--address", self.address],
-                                     env=os.environ.copy(), preexec_fn=_die_with_parent)
-        self.log.info("engine core started (pid %d) on %s", self.proc.pid, self.address)
+    def _spawn(self, rank: int) -> None:
+        cmd = [sys.executable, "-m", "server.engine_core", "--address", self.addresses[rank],
+               "--data-parallel-rank", str(rank), "--data-parallel-size", str(len(self.addresses))]
+        self.procs[rank] = subprocess.Popen(cmd, env=os.environ.copy(), preexec_fn=_die_with_parent)
+        self.log.info("engine core %d started (pid %d) on %s", rank, self.procs[rank].pid, self.addresses[rank])
 
-    def _watch(self) -> None:
+    def _watch(self, rank: int) -> None:
         while not self._stopping:
-            status = self.proc.wait()
+            proc = self.procs[rank]
+            proc.wait()  # (its status may read 0 when gunicorn's arbiter reaped it first)
             if self._stopping:
                 return
-            self.log.error("engine core (pid %d) exited with status %s; restarting it in %.0f s", self.proc.pid,
-                           status, RESTART_DELAY_S)
+            self.log.error("engine core %d (pid %d) exited; restarting it in %.0f s", rank, proc.pid,
+                           RESTART_DELAY_S)
             time.sleep(RESTART_DELAY_S)
             if not self._stopping:
                 self.restarts += 1
-                self._spawn()
+                self._spawn(rank)
+
+    def wait(self) -> None:
+        """Blocks until `stop` (the headless entry point's main thread)."""
+        while not self._stopping:
+            time.sleep(0.2)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         self._stopping = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs:
+            if proc is None:
+                continue
             try:
-                self.proc.wait(timeout_s)
+                proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-        shutil.rmtree(self.dir, ignore_errors=True)
+                proc.kill()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)

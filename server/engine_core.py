@@ -1,36 +1,92 @@
-"""An engine core alone, for API servers that connect to it (headless mode, and the engine process that
+"""Engine cores alone, for API servers that connect to them (headless mode, and the engine processes that
 gunicorn.conf.py starts for several API workers):
 
     JAXLLM_ENGINE_SECRET=... python -m server.engine_core [--address tcp://127.0.0.1:5555]
+        [--data-parallel-size D]
 
-The engine is configured from the same JAXLLM_* variables as the server (server/settings.py). The default
-address is loopback; bind another interface only on a network you trust: the shared secret authenticates API
-servers (an HMAC challenge; the secret never crosses the wire) but the traffic is not encrypted. SIGTERM stops
-it after in-flight requests finish (JAXLLM_DRAIN_TIMEOUT). Exit status: 0 when stopped, 1 when the engine died
-(a supervisor restarts it; API servers answer 503 meanwhile and reconnect on their own)."""
+The engine is configured from the same JAXLLM_* variables as the server (server/settings.py). With
+--data-parallel-size D this process supervises D engine-core processes, rank r listening on the address's port
++ r (tcp) or path + "-r" (ipc), each on its own share of the host's CPUs (and of the GPUs, when there are
+some); API servers list every rank's address in JAXLLM_ENGINE_ADDRESS, comma-separated. The default address is
+loopback; bind another interface only on a network you trust: the shared secret authenticates API servers (an
+HMAC challenge; the secret never crosses the wire) but the traffic is not encrypted. SIGTERM stops after
+in-flight requests finish (JAXLLM_DRAIN_TIMEOUT). Exit status of a core: 0 when stopped, 1 when its engine died
+(the supervisor, or yours, restarts it; API servers answer 503 meanwhile and reconnect on their own)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import re
+import shutil
 import signal
+import subprocess
 import sys
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+
+
+def rank_addresses(address: str, size: int) -> list[str]:
+    """One address per data-parallel rank: consecutive tcp ports, or ipc paths with a rank suffix."""
+    if size == 1:
+        return [address]
+    m = re.fullmatch(r"(tcp://.+):(\d+)", address)
+    if m:
+        return [f"{m.group(1)}:{int(m.group(2)) + r}" for r in range(size)]
+    if address.startswith("ipc://"):
+        return [f"{address}-{r}" for r in range(size)]
+    raise ValueError(f"{address}: data parallelism needs a tcp://host:port or ipc:// address")
+
+
+def place_rank(rank: int, size: int) -> None:
+    """Before JAX starts: this rank's share of the CPUs (XLA's and the kernels' thread pools size themselves to
+    it) and, when NVIDIA GPUs are visible, of the GPUs."""
+    if size == 1:
+        return
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        share = cpus[rank * len(cpus) // size:(rank + 1) * len(cpus) // size] or [cpus[rank % len(cpus)]]
+        os.sched_setaffinity(0, share)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None and shutil.which("nvidia-smi"):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True, check=False).stdout
+        visible = ",".join(out.split()) or None
+    if visible:
+        gpus = visible.split(",")
+        if len(gpus) % size:
+            raise ValueError(f"{len(gpus)} GPUs do not split into {size} data-parallel ranks")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[rank * len(gpus) // size:(rank + 1) * len(gpus) // size])
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=os.environ.get("JAXLLM_ENGINE_BIND", DEFAULT_ADDRESS),
                    help="ZeroMQ address to listen on (tcp://host:port or ipc:///path; default %(default)s)")
+    p.add_argument("--data-parallel-size", type=int, default=int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", 1)))
+    p.add_argument("--data-parallel-rank", type=int, help="run this one rank (what the supervisor starts)")
     p.add_argument("--headless", action="store_true", help="accepted for vLLM-style command lines (always headless)")
     args = p.parse_args(argv)
     secret = os.environ.get("JAXLLM_ENGINE_SECRET")
     if not secret:
         p.error("set JAXLLM_ENGINE_SECRET: API servers prove they know it")
+    if args.data_parallel_size < 1:
+        p.error("--data-parallel-size must be >= 1")
     logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size > 1 and args.data_parallel_rank is None:  # supervise one process per rank
+        from server.core_supervisor import CoreSupervisor
+
+        sup = CoreSupervisor(logging.getLogger("jaxllm.engine_core"), args.data_parallel_size,
+                             rank_addresses(args.address, args.data_parallel_size), secret)
+        signal.signal(signal.SIGTERM, lambda *_: sup.stop())
+        signal.signal(signal.SIGINT, lambda *_: sup.stop())
+        sup.start()
+        sup.wait()
+        return 0
+    rank = args.data_parallel_rank or 0
+    place_rank(rank, args.data_parallel_size)
     from jaxllm.engine.core_server import EngineCoreServer
     from jaxllm.engine.llm_engine import LLMEngine
     from server.settings import ServerSettings
@@ -39,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(settings.engine)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.set_chat_template(settings.chat_template)
-    core = EngineCoreServer(engine, args.address, secret, {"model": settings.engine.model})
+    core = EngineCoreServer(engine, args.address, secret, {"model": settings.engine.model, "rank": rank})
     signal.signal(signal.SIGTERM, lambda *_: core.stop(settings.drain_timeout_s))
     signal.signal(signal.SIGINT, lambda *_: core.stop(0.0))
     status = core.serve_forever()

@@ -38,6 +38,25 @@ class EngineCollector:
         yield counter("jaxllm_num_preemptions", "Sequences preempted for lack of KV pages.", s["num_preemptions"])
         yield counter("jaxllm_num_failed_requests", "Requests ended by an error in their own handling.",
                       s["num_failed_requests"])
+        yield counter("jaxllm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+                      s["prefix_cache_hit_tokens_total"])
+        # Per engine core (data-parallel rank; one when there is no data parallelism).
+        per_rank = [("jaxllm_engine_requests", "Requests this engine core received.", "requests_total", True),
+                    ("jaxllm_engine_num_requests_running", "Sequences in this engine core's batch.", "num_running",
+                     False),
+                    ("jaxllm_engine_num_requests_waiting", "Requests waiting on this engine core.", "num_waiting",
+                     False),
+                    ("jaxllm_engine_generation_tokens", "Tokens this engine core generated.",
+                     "generation_tokens_total", True),
+                    ("jaxllm_engine_prefix_cache_hit_tokens", "Prompt tokens this engine core served from its prefix "
+                     "cache.", "prefix_cache_hit_tokens_total", True)]
+        ranks = self.loop.rank_stats
+        for name, doc, key, is_counter in per_rank:
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(name, doc,
+                                                                              labels=["model_name", "engine"])
+            for rank, rs in enumerate(ranks):
+                family.add_metric([*self.labels, str(rank)], rs.get(key, 0))
+            yield family
 
 
 class ServerMetrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.engine_loop import EngineLoop
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
@@ -13,7 +14,7 @@ from server.settings import ServerSettings
 @dataclasses.dataclass
 class ServerState:
     settings: ServerSettings
-    loop: EngineLoop | EngineCoreClient  # the engine in this process, or an engine-core process's client
+    loop: EngineLoop | EngineCoreClient | DataParallelClient  # the engine here, or engine-core processes' client
     metrics: ServerMetrics
     active_requests: int = 0  # touched only by request greenlets (one hub thread)
 

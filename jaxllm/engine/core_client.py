@@ -57,6 +57,7 @@ class EngineCoreClient:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.requests: dict[str, proto.OutputAssembler] = {}
         self.stats: dict = {}
+        self.sent_since_stats: set[str] = set()
         self.error: str | None = None
         self.stopped = False
         self._ready = False
@@ -85,6 +86,16 @@ class EngineCoreClient:
         return self._ready and not self.stopped
 
     @property
+    def load(self) -> int:
+        """Unfinished requests on the core as it last reported, plus those sent since that are still unfinished
+        (data-parallel routing)."""
+        return self.stats.get("num_requests", 0) + len(self.sent_since_stats)
+
+    @property
+    def rank_stats(self) -> list[dict]:
+        return [self.stats]
+
+    @property
     def capacity(self) -> int:
         return self.info["max_num_seqs"] + self.info["max_waiting_requests"]
 
@@ -98,6 +109,7 @@ class EngineCoreClient:
         payload = proto.encode("add", request_id, text, ids, params, cache_salt)
         with self._lock:
             self.sock.send(payload)
+        self.sent_since_stats.add(request_id)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.requests and self.alive:
@@ -196,13 +208,16 @@ class EngineCoreClient:
                 out = assembler.apply(message[2])
                 if out.finished:
                     del self.requests[message[1]]
+                    self.sent_since_stats.discard(message[1])
         elif kind == "fail":
             assembler = self.requests.pop(message[1], None)
+            self.sent_since_stats.discard(message[1])
             if assembler is not None:
                 error = {"invalid": InvalidRequestError, "dead": EngineDeadError}.get(message[2], RuntimeError)
                 assembler.on_output(error(message[3]))
         elif kind == "stats":
             self.stats = message[1]
+            self.sent_since_stats.clear()
 
     def _lost(self, why: str) -> None:
         if not self._ready:
@@ -210,6 +225,7 @@ class EngineCoreClient:
         logger.error("%s: failing %d requests", why, len(self.requests))
         self._ready, self.error = False, why
         requests, self.requests = self.requests, {}
+        self.sent_since_stats.clear()
         for assembler in requests.values():
             try:
                 assembler.on_output(EngineDeadError(why))

@@ -59,6 +59,11 @@ class EngineLoop:
         return self.error is None and not self.stopped
 
     @property
+    def rank_stats(self) -> list[dict]:
+        """Per engine (one here; one per data-parallel rank on an API server using several)."""
+        return [self.stats]
+
+    @property
     def capacity(self) -> int:
         """Requests in flight beyond which a server refuses new ones: the running batch plus the waiting queue."""
         cfg = self.engine.config

@@ -116,6 +116,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_failed_requests = 0
+        self.requests_total = 0
         compile_monitor.install()
         if warmup:
             before = compile_monitor.snapshot()
@@ -173,6 +174,7 @@ class LLMEngine:
                 seq.matcher = self.grammars.matcher(params.structured_outputs)  # each choice its own
             request.seqs.append(seq)
         self.requests[request_id] = request
+        self.requests_total += 1
         self.prompt_tokens_total += len(ids)
         for seq in request.seqs:
             self.scheduler.add(seq)
@@ -304,6 +306,8 @@ class LLMEngine:
             "generation_tokens_total": self.generation_tokens_total,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_failed_requests": self.num_failed_requests,
+            "requests_total": self.requests_total,
+            "prefix_cache_hit_tokens_total": self.block_manager.prefix_hits,
         }
 
 

@@ -1,8 +1,22 @@
-"""The OpenAI API over HTTP with the official client, against a real gunicorn process."""
+"""The OpenAI API over HTTP with the official client, against a real gunicorn process: in both serve modes that
+run on this host (the engine in the worker; two API workers sharing an engine-core process)."""
 
+import pytest
 import requests
 
 from tests.server.conftest import API_KEY
+
+
+@pytest.fixture(scope="module", params=["in-process", "2-api-workers"])
+def server(request):
+    return request.getfixturevalue("server" if request.param == "in-process" else "multi_api_server")
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
 
 CHAT = [{"role": "user", "content": "Name three fruits."}]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -10,6 +24,12 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 def tokenize(server, **body):
     return requests.post(server.url + "/tokenize", json=body, headers=AUTH, timeout=30).json()
+
+
+def test_the_mode_is_the_one_named(server, request):
+    two_workers = "2-api-workers" in request.node.callspec.id
+    assert (server.core_pid() is not None) == two_workers
+    assert len(server.api_worker_pids()) == (2 if two_workers else 1)
 
 
 def test_models_health_version(server, client):

@@ -1,10 +1,12 @@
 """The serve modes with real processes and the `openai` client: two API workers sharing an engine-core process
 (64 concurrent streams, outputs equal to the single-worker server's; kill -9 of a worker; kill -9 of the core),
-and headless (an engine core started alone, an API server started separately with its address; a wrong secret
+data parallel 2 (one engine core per rank, requests spread by load, shared prefixes kept on one rank), and
+headless (an engine core started alone, an API server started separately with its address; a wrong secret
 refused)."""
 
 import concurrent.futures
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -159,3 +161,39 @@ def test_headless_core_and_a_separate_api_server(headless_core, server, tmp_path
         Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_ENGINE_ADDRESS": address, "JAXLLM_ENGINE_SECRET": "wrong"},
                tmp_path / "wrong.log", engine_env={})
     assert "refused: wrong secret" in core_log.read_text()
+
+
+def per_engine(srv: Server, name: str) -> dict[str, float]:
+    """{engine rank: value} of a per-engine-core metric."""
+    text = requests.get(srv.url + "/metrics", timeout=10).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}{{[^}}]*engine="(\d+)"[^}}]*}} (\S+)$', text,
+                                                               re.MULTILINE)}
+
+
+@pytest.fixture(scope="module")
+def dp_server(tmp_path_factory, compile_cache_dir):
+    log = tmp_path_factory.mktemp("gunicorn_dp") / "server.log"
+    srv = Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir,
+                  "JAXLLM_DATA_PARALLEL_SIZE": "2"}, log)
+    yield srv
+    assert srv.stop() == 0, log.read_text()[-3000:]
+
+
+def test_data_parallel_2_spreads_load_keeps_prefixes_together_and_matches_dp_1(dp_server, server):
+    cores = [p for p in dp_server.worker_pids() if b"engine_core" in open(f"/proc/{p}/cmdline", "rb").read()]
+    affinities = [os.sched_getaffinity(p) for p in cores]
+    assert len(affinities) == 2 and not affinities[0] & affinities[1]  # each rank on its own CPUs
+    with concurrent.futures.ThreadPoolExecutor(64) as pool:
+        dp = list(pool.map(lambda p: greedy(dp_server, p), PROMPTS))
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        single = list(pool.map(lambda p: greedy(server, p), PROMPTS))
+    assert dp == single
+    routed = per_engine(dp_server, "jaxllm_engine_requests_total")
+    assert set(routed) == {"0", "1"} and min(routed.values()) >= 8, routed  # both ranks took a share
+    before = per_engine(dp_server, "jaxllm_engine_prefix_cache_hit_tokens_total")
+    prefix = " ".join(f"word{i}" for i in range(100))  # ~290 tokens shared
+    for i in range(4):
+        greedy(dp_server, f"{prefix} question {i}:", max_tokens=4)
+    after = per_engine(dp_server, "jaxllm_engine_prefix_cache_hit_tokens_total")
+    gained = sorted(after[r] - before.get(r, 0) for r in after)
+    assert gained[0] == 0 and gained[1] >= 3 * 256, (before, after)  # one rank, its cache hit three times
