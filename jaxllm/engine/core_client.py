@@ -75,6 +75,7 @@ class EngineCoreClient:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, os.urandom(16))
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 10_000)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a core that is not there (no stale hellos)
         sock.connect(self.address)
@@ -202,7 +203,10 @@ class EngineCoreClient:
 
     def _dispatch(self, message: list) -> None:
         kind = message[0]
-        if kind == "out":
+        if kind == "outs":  # one step's outputs for this client
+            for item in message[1]:
+                self._dispatch(item)
+        elif kind == "out":
             assembler = self.requests.get(message[1])
             if assembler is not None:
                 out = assembler.apply(message[2])

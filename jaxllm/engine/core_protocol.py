@@ -5,8 +5,10 @@ Every message is a msgpack array whose first item names it:
 client -> core                                   core -> client
   ["hello"]                                        ["challenge", nonce]
   ["auth", hmac_sha256(secret, nonce)]             ["ready", info] | ["refused", reason]
-  ["add", id, text, ids, params, cache_salt]       ["out", id, delta]     (see OutputDeltas)
-  ["abort", id]                                    ["fail", id, kind, message]   (kind: invalid | dead | error)
+  ["add", id, text, ids, params, cache_salt]       ["outs", [item, ...]]  (one engine step's, for this client)
+  ["abort", id]                                      item: ["out", id, delta]   (see OutputDeltas)
+                                                         | ["fail", id, kind, message]  (invalid | dead | error)
+                                                   ["fail", id, kind, message]  (an add refused at once)
                                                    ["stats", stats]       (also the core's heartbeat)
 
 The shared secret never crosses the wire: the core sends a fresh nonce and the client answers with its HMAC.

@@ -1,18 +1,19 @@
-"""An engine core in its own process: the engine loop (`EngineLoop`, the same one an in-process server runs)
-behind a ZeroMQ ROUTER socket that API servers connect to (see `core_protocol` for the messages).
+"""An engine core in its own process: the engine loop (`EngineLoop`, the same one an in-process server runs in
+a thread) behind a ZeroMQ ROUTER socket that API servers connect to (see `core_protocol` for the messages).
 
-Threads: the engine's own thread steps the engine and calls each request's output callback, which encodes the
-delta and pushes it through its own inproc socket; this process's main thread owns the ROUTER socket: it
-authenticates clients, hands their requests to the loop, forwards outputs to the client that owns them, and
-broadcasts the engine's stats every `STATS_INTERVAL_S` (the core's heartbeat). Request ids are namespaced by
-client, so one API server can neither see nor abort another's requests. A client that vanished (a killed API
-worker) has its requests aborted as soon as an output for it cannot be delivered, so its KV pages come back."""
+One thread does everything, as vLLM's engine-core busy loop does: it polls the socket (without waiting while
+requests are unfinished), authenticates clients, hands their requests to the loop, runs one loop iteration (one
+engine step), sends each client one message with that step's outputs for it, and broadcasts the engine's stats
+every `STATS_INTERVAL_S` (the core's heartbeat). No second thread means no GIL hand-offs and no extra hop
+between a step and its outputs. Request ids are namespaced by client, so one API server can neither see nor
+abort another's requests. A client that vanished (a killed API worker) has its requests aborted as soon as
+an output for it cannot be delivered, so its KV pages come back."""
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
+import traceback
 
 import zmq
 
@@ -23,6 +24,7 @@ from jaxllm.errors import InvalidRequestError
 
 logger = logging.getLogger("jaxllm.engine_core")
 STATS_INTERVAL_S = 0.2
+SEND_QUEUE_MESSAGES = 10_000  # a client this many steps behind is treated as gone (its requests are aborted)
 
 
 class EngineCoreServer:
@@ -35,81 +37,84 @@ class EngineCoreServer:
                      "eos_token_ids": list(engine.eos_token_ids), "max_num_seqs": engine.config.max_num_seqs,
                      "max_waiting_requests": engine.config.max_waiting_requests,
                      "page_size": engine.config.page_size}
-        self.loop = EngineLoop(engine)
+        self._pending: dict[bytes, list] = {}  # this iteration's outputs per client
+        self._pending_done: dict[bytes, list[str]] = {}  # and the core-side ids of requests that ended
+        self.loop = EngineLoop(engine, flush=self._flush, thread=False)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises: its requests end
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
         self.sock.bind(address)
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._outputs_address = f"inproc://jaxllm-core-outputs-{id(self)}"
-        self.outputs = self.ctx.socket(zmq.PULL)
-        self.outputs.bind(self._outputs_address)
-        self._engine_thread = threading.local()
         self.nonces: dict[bytes, bytes] = {}  # client -> the challenge it must answer
         self.clients: set[bytes] = set()  # authenticated
         self.owned: dict[bytes, set[str]] = {}  # client -> its unfinished request ids (core-side, namespaced)
-        self._stopping = False
         self._stop_at: float | None = None
 
-    # -- on the engine thread
-    def _push(self, client: bytes, payload: bytes) -> None:
-        sock = getattr(self._engine_thread, "sock", None)
-        if sock is None:
-            sock = self._engine_thread.sock = self.ctx.socket(zmq.PUSH)
-            sock.connect(self._outputs_address)
-        sock.send_multipart([client, payload])
+    # -- outputs
+    def _flush(self) -> None:
+        """One message per client for everything this iteration produced."""
+        if not self._pending:
+            return
+        pending, done, self._pending, self._pending_done = self._pending, self._pending_done, {}, {}
+        for client, items in pending.items():
+            owned = self.owned.get(client)
+            if owned is None:
+                continue  # dropped already: its requests are being aborted
+            owned.difference_update(done.get(client, ()))
+            self._send(client, proto.encode("outs", items))
 
     def _callback(self, client: bytes, request_id: str, core_id: str):
         deltas = proto.OutputDeltas()
 
         def on_output(out):
-            if isinstance(out, EngineDeadError):
-                self._push(client, proto.encode("fail", request_id, "dead", str(out), core_id))
-            elif isinstance(out, Exception):
-                kind = "invalid" if isinstance(out, InvalidRequestError) else "error"
-                self._push(client, proto.encode("fail", request_id, kind, str(out), core_id))
+            if isinstance(out, Exception):
+                kind = "dead" if isinstance(out, EngineDeadError) else \
+                    "invalid" if isinstance(out, InvalidRequestError) else "error"
+                item, ended = ["fail", request_id, kind, str(out)], True
             else:
-                self._push(client, proto.encode("out", request_id, deltas.delta(out), core_id if out.finished
-                                                else None))
+                item, ended = ["out", request_id, deltas.delta(out)], out.finished
+            self._pending.setdefault(client, []).append(item)
+            if ended:
+                self._pending_done.setdefault(client, []).append(core_id)
         return on_output
 
-    # -- on the main thread
+    # -- the loop
     def serve_forever(self) -> int:
         """Returns the process's exit status: 0 when stopped, 1 when the engine died."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
-        poller.register(self.outputs, zmq.POLLIN)
         last_stats = 0.0
         logger.info("engine core ready on %s", self.address)
-        while not self._stopping:
-            events = dict(poller.poll(timeout=int(STATS_INTERVAL_S * 1000)))
-            if self.outputs in events:
-                self._forward_outputs()
-            if self.sock in events:
+        while True:
+            now = time.monotonic()
+            busy = self.engine.has_unfinished_requests()
+            wait_s = 0.0 if busy else max(0.0, last_stats + STATS_INTERVAL_S - now)
+            if poller.poll(timeout=int(wait_s * 1000)):
                 self._receive()
+            try:
+                self.loop.run_once(block=False)
+            except Exception:
+                self.loop.die(traceback.format_exc())
+                logger.error("the engine died; the engine core exits")
+                return 1
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 last_stats = now
                 self._broadcast(proto.encode("stats", self.loop.stats))
-            if not self.loop.alive and not self._stopping:
-                self._forward_outputs()  # the requests' "dead" failures
-                logger.error("the engine died; the engine core exits")
-                return 1
-            if self._stop_at is not None and (now >= self._stop_at or not self.loop.stats.get("num_requests")):
-                self.loop.stop(0.0)  # what is still running is aborted
-                self._forward_outputs()
-                self._stopping = True
-        return 0
+            if self._stop_at is not None and (now >= self._stop_at or not self.engine.has_unfinished_requests()):
+                self.loop.shutdown()  # what is still running is aborted
+                self.loop.stopped = True
+                return 0
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Asks `serve_forever` to return once in-flight requests finished, or after drain_timeout_s; new
-        requests are refused meanwhile. Safe from a signal handler."""
+        requests are refused meanwhile. Safe from a signal handler or another thread."""
         self._stop_at = time.monotonic() + drain_timeout_s
 
     def close(self) -> None:
         self.sock.close(0)
-        self.outputs.close(0)
 
     def _send(self, client: bytes, payload: bytes) -> bool:
         try:
@@ -129,20 +134,6 @@ class EngineCoreServer:
     def _broadcast(self, payload: bytes) -> None:
         for client in list(self.clients):
             self._send(client, payload)
-
-    def _forward_outputs(self) -> None:
-        while True:
-            try:
-                client, payload = self.outputs.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if client not in self.clients:
-                continue  # dropped already: its requests are being aborted
-            message = proto.decode(payload)
-            done = message[-1]  # the core-side id of a request that just ended, else None
-            if done is not None:
-                self.owned.get(client, set()).discard(done)
-            self._send(client, proto.encode(*message[:-1]))
 
     def _receive(self) -> None:
         while True:

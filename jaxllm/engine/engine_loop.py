@@ -40,11 +40,15 @@ class EngineDeadError(RuntimeError):
 
 class EngineLoop:
     """on_death: called on the engine thread once the engine has died, after every in-flight request got its
-    EngineDeadError (a server uses it to exit its worker so a fresh one is started)."""
+    EngineDeadError (a server uses it to exit its worker so a fresh one is started). flush: called on the engine
+    thread after each iteration's output callbacks (the requests it applied, then its step), so that a caller
+    can hand a step's outputs on together (an engine-core process sends one message per client per step)."""
 
-    def __init__(self, engine: LLMEngine, on_death: Callable[[], None] | None = None):
+    def __init__(self, engine: LLMEngine, on_death: Callable[[], None] | None = None,
+                 flush: Callable[[], None] | None = None, *, thread: bool = True):
         self.engine = engine
         self.on_death = on_death
+        self.flush = flush
         self._inbox: _queue.SimpleQueue = _queue.SimpleQueue()
         self._stopping = False
         self.stopped = False
@@ -52,7 +56,8 @@ class EngineLoop:
         # The engine's counters for other threads (metrics, health, drain): a fresh dict that only the engine
         # thread writes, once per loop iteration, and never mutates, so readers need no lock.
         self.stats: dict = engine.stats()
-        start_os_thread(self._run)
+        if thread:
+            start_os_thread(self._run)
 
     @property
     def alive(self) -> bool:
@@ -112,40 +117,81 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                busy = self.engine.has_unfinished_requests()
-                try:  # idle: sleep until a request arrives; busy: only pick up what is already there
-                    kind, arg = self._inbox.get_nowait() if busy else self._inbox.get()
-                except _queue.Empty:
-                    kind = None
-                while kind is not None:
-                    if kind == "stop":
-                        self._stopping = True
-                        break
-                    self._apply(kind, arg)
-                    try:
-                        kind, arg = self._inbox.get_nowait()
-                    except _queue.Empty:
-                        kind = None
-                if not self._stopping and self.engine.has_unfinished_requests():
-                    self.engine.step()
-                self.stats = self.engine.stats()
-            for request_id in list(self.engine.requests):
-                self.engine.abort_request(request_id)
-            self.stats = self.engine.stats()
+                self.run_once(block=True)
+            self.shutdown()
         except Exception:  # the engine is dead: fail every request instead of leaving it hanging
-            self.error = traceback.format_exc()
-            logger.error("engine loop died:\n%s", self.error)
-            for request in list(self.engine.requests.values()):
-                if request.on_output:
-                    try:
-                        request.on_output(EngineDeadError("the engine died"))
-                    except Exception:
-                        logger.exception("request %s: its output callback failed", request.request_id)
-            self._fail_queued()
-            if self.on_death is not None:
-                self.on_death()
+            self.die(traceback.format_exc())
         finally:
             self.stopped = True
+
+    def run_once(self, block: bool) -> None:
+        """One iteration: applies what was handed in (idle and `block`: waits for it), steps once if anything
+        is unfinished, flushes the outputs and publishes the stats. Raises if the engine failed (see `die`). The
+        loop's own thread calls it; an owner that runs the loop on its own thread (an engine-core process's
+        main thread, which also owns its sockets) calls it instead of starting one."""
+        busy = self.engine.has_unfinished_requests()
+        try:  # idle: sleep until a request arrives; busy: only pick up what is already there
+            kind, arg = self._inbox.get() if block and not busy else self._inbox.get_nowait()
+        except _queue.Empty:
+            kind = None
+        while kind is not None:
+            if kind == "stop":
+                self._stopping = True
+                break
+            self._apply(kind, arg)
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except _queue.Empty:
+                kind = None
+        if not self._stopping and self.engine.has_unfinished_requests():
+            self.engine.step()
+        self._flush()
+        self.stats = self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Aborts whatever is still unfinished (each request gets its final output)."""
+        self._apply_pending_aborts()
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+        self._flush()
+        self.stats = self.engine.stats()
+
+    def _apply_pending_aborts(self) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except _queue.Empty:
+                return
+            if kind == "add":  # too late to run: refused like a request to a stopped engine
+                try:
+                    arg[3](EngineDeadError("the engine is stopped"))
+                except Exception:
+                    logger.exception("request %s: its output callback failed", arg[0])
+            elif kind == "abort":
+                self._apply(kind, arg)
+
+    def die(self, error: str) -> None:
+        """The engine failed (`error`: the traceback): every unfinished request, applied or queued, gets an
+        EngineDeadError, then `on_death` runs."""
+        self.error = error
+        logger.error("engine loop died:\n%s", self.error)
+        for request in list(self.engine.requests.values()):
+            if request.on_output:
+                try:
+                    request.on_output(EngineDeadError("the engine died"))
+                except Exception:
+                    logger.exception("request %s: its output callback failed", request.request_id)
+        self._fail_queued()
+        self._flush()
+        if self.on_death is not None:
+            self.on_death()
+
+    def _flush(self) -> None:
+        if self.flush is not None:
+            try:
+                self.flush()
+            except Exception:
+                logger.exception("flushing the step's outputs failed")
 
     def _fail_queued(self) -> None:
         """Requests handed in but not yet applied when the engine died must not wait forever either."""
