@@ -7,7 +7,7 @@ The choice is made in each API worker with no shared state, so it must agree bet
   on one rank and hit its prefix cache;
 - load: the preferred rank is left for the least loaded one when its load (unfinished requests, as its core
   last reported, plus what this worker sent since) exceeds the least loaded rank's by more than `slack`
-  requests; a prompt with no full page goes to the least loaded rank (ties: the lowest rank)."""
+  requests; a prompt with no full page goes to the least loaded rank (ties: in turn)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,9 @@ def preferred_rank(ids: list[int], cache_salt: str | None, page_size: int, size:
     return int.from_bytes(h.digest(), "little") % size
 
 
-def choose_rank(loads: list[int], preferred: int | None, slack: int) -> int:
-    least = min(range(len(loads)), key=lambda r: (loads[r], r))
+def choose_rank(loads: list[int], preferred: int | None, slack: int, start: int = 0) -> int:
+    """Ties between the least loaded ranks go to the first at or after `start` (callers rotate it)."""
+    least = min(range(len(loads)), key=lambda r: (loads[r], (r - start) % len(loads)))
     if preferred is not None and loads[preferred] - loads[least] <= slack:
         return preferred
     return least
@@ -51,6 +52,7 @@ class DataParallelClient:
         self.slack = max(2, first.info["max_num_seqs"] // 4)
         self.owner: dict[str, int] = {}
         self.routed = [0] * len(self.ranks)  # requests this worker sent to each rank
+        self._turn = 0  # where ties between equally loaded ranks start
 
     @property
     def alive(self) -> bool:
@@ -82,7 +84,8 @@ class DataParallelClient:
             raise EngineDeadError(self.error or "an engine core is not connected")
         prepared = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
         preferred = preferred_rank(prepared[1], cache_salt, self.page_size, len(self.ranks))
-        rank = choose_rank([r.load for r in self.ranks], preferred, self.slack)
+        rank = choose_rank([r.load for r in self.ranks], preferred, self.slack, self._turn)
+        self._turn = (rank + 1) % len(self.ranks)
 
         def forward(out):
             if isinstance(out, Exception) or out.finished:

@@ -33,6 +33,8 @@ def test_load_overrides_affinity_beyond_the_slack():
     assert choose_rank([5, 0], preferred=0, slack=4) == 1
     assert choose_rank([2, 2, 1], preferred=None, slack=4) == 2
     assert choose_rank([1, 1], preferred=None, slack=4) == 0
+    assert choose_rank([1, 1, 1], preferred=None, slack=4, start=2) == 2  # ties in turn
+    assert choose_rank([1, 0, 1], preferred=None, slack=4, start=2) == 1
 
 
 @pytest.fixture(scope="module")
