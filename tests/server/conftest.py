@@ -150,6 +150,26 @@ def tiny_engine_env(folder: Path, compile_cache_dir: str) -> dict[str, str]:
             "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir}
 
 
+SERVE_MODES = ["in-process", "2-api-workers"]
+
+
+def serve_mode_fixtures():
+    """`server` and `client` fixtures for a module whose tests run in both serve modes on this host (the engine
+    in the worker; two API workers sharing an engine-core process): `server, client = serve_mode_fixtures()`."""
+
+    @pytest.fixture(scope="module", params=SERVE_MODES)
+    def server(request):
+        return request.getfixturevalue("server" if request.param == "in-process" else "multi_api_server")
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        import openai
+
+        return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    return server, client
+
+
 @pytest.fixture(scope="session")
 def client(server):
     import openai

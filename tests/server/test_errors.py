@@ -6,7 +6,9 @@ import time
 import pytest
 import requests
 
-from tests.server.conftest import API_KEY, Server
+from tests.server.conftest import API_KEY, Server, serve_mode_fixtures
+
+server, client = serve_mode_fixtures()  # each test in both serve modes
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHAT = [{"role": "user", "content": "hi"}]

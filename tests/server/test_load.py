@@ -10,7 +10,9 @@ from pathlib import Path
 
 import requests
 
-from tests.server.conftest import API_KEY, Server, parse_metrics
+from tests.server.conftest import API_KEY, Server, parse_metrics, serve_mode_fixtures
+
+server, client = serve_mode_fixtures()  # each test in both serve modes
 
 REPO = Path(__file__).resolve().parents[2]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -1,22 +1,11 @@
 """The OpenAI API over HTTP with the official client, against a real gunicorn process: in both serve modes that
 run on this host (the engine in the worker; two API workers sharing an engine-core process)."""
 
-import pytest
 import requests
 
-from tests.server.conftest import API_KEY
+from tests.server.conftest import API_KEY, serve_mode_fixtures
 
-
-@pytest.fixture(scope="module", params=["in-process", "2-api-workers"])
-def server(request):
-    return request.getfixturevalue("server" if request.param == "in-process" else "multi_api_server")
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    import openai
-
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+server, client = serve_mode_fixtures()
 
 CHAT = [{"role": "user", "content": "Name three fruits."}]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -8,6 +8,9 @@ import jsonschema
 import pytest
 
 from benchmarks.structured_cases import MODELS, PROMPTS
+from tests.server.conftest import serve_mode_fixtures
+
+server, client = serve_mode_fixtures()  # each test in both serve modes
 
 pytestmark = pytest.mark.slow
 

@@ -6,6 +6,10 @@ import json
 import jsonschema
 import pytest
 
+from tests.server.conftest import serve_mode_fixtures
+
+server, client = serve_mode_fixtures()  # each test in both serve modes
+
 pytestmark = pytest.mark.slow
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 20},
