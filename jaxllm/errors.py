@@ -18,3 +18,8 @@ class PromptTooLongError(InvalidRequestError):
 
 class RequestFailedError(RuntimeError):
     """Handling one request raised (its detokenizer, stop strings or output callback); the others go on."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine holds as many requests as it may (running batch plus waiting queue); retry later (HTTP 429).
+    An engine-core process shared by several API servers says so itself, since no one server sees the others'."""

@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
+from jaxllm.errors import EngineBusyError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from server.bridge import OutputStream
@@ -79,6 +80,8 @@ class Generation:
                 continue
             if isinstance(item, EngineDeadError):
                 raise APIError(503, f"the engine failed: {item}", code="engine_dead")
+            if isinstance(item, EngineBusyError):
+                raise APIError(429, f"the server's request queue is full; retry later ({item})", code="queue_full")
             if isinstance(item, Exception):
                 raise APIError(500, f"the request failed: {item}", code="request_failed")
             if item.error is not None:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError
 from jaxllm.engine.frontend import Frontend
-from jaxllm.errors import InvalidRequestError
+from jaxllm.errors import EngineBusyError, InvalidRequestError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestLimits, SamplingParams
 
@@ -217,7 +217,8 @@ class EngineCoreClient:
             assembler = self.requests.pop(message[1], None)
             self.sent_since_stats.discard(message[1])
             if assembler is not None:
-                error = {"invalid": InvalidRequestError, "dead": EngineDeadError}.get(message[2], RuntimeError)
+                error = {"invalid": InvalidRequestError, "dead": EngineDeadError,
+                         "full": EngineBusyError}.get(message[2], RuntimeError)
                 assembler.on_output(error(message[3]))
         elif kind == "stats":
             self.stats = message[1]

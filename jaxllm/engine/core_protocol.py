@@ -8,7 +8,8 @@ client -> core                                   core -> client
   ["add", id, text, ids, params, cache_salt]       ["outs", [item, ...]]  (one engine step's, for this client)
   ["abort", id]                                      item: ["out", id, delta]   (see OutputDeltas)
                                                          | ["fail", id, kind, message]  (invalid | dead | error)
-                                                   ["fail", id, kind, message]  (an add refused at once)
+                                                   ["fail", id, kind, message]  (an add refused at once;
+                                                                                 kind full: at capacity)
                                                    ["stats", stats]       (also the core's heartbeat)
 
 The shared secret never crosses the wire: the core sends a fresh nonce and the client answers with its HMAC.

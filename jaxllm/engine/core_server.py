@@ -20,7 +20,7 @@ import zmq
 from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError, EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.errors import InvalidRequestError
+from jaxllm.errors import EngineBusyError, InvalidRequestError
 
 logger = logging.getLogger("jaxllm.engine_core")
 STATS_INTERVAL_S = 0.2
@@ -40,6 +40,7 @@ class EngineCoreServer:
         self._pending: dict[bytes, list] = {}  # this iteration's outputs per client
         self._pending_done: dict[bytes, list[str]] = {}  # and the core-side ids of requests that ended
         self.loop = EngineLoop(engine, flush=self._flush, thread=False)
+        self.capacity = engine.config.max_num_seqs + engine.config.max_waiting_requests
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises: its requests end
@@ -174,12 +175,14 @@ class EngineCoreServer:
             try:
                 if self._stop_at is not None:
                     raise EngineDeadError("the engine core is shutting down")
+                if len(self.engine.requests) >= self.capacity:  # several API servers: none sees the others' load
+                    raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")
                 params = proto.params_from_wire(params)
                 prompt = (text, self.engine.prepare_prompt(list(ids), params, cache_salt)[1])
                 self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
             except Exception as e:  # the API side validated it already; refuse what still does not pass
                 kind = "invalid" if isinstance(e, InvalidRequestError | ValueError | TypeError) else \
-                    "dead" if isinstance(e, EngineDeadError) else "error"
+                    "dead" if isinstance(e, EngineDeadError) else "full" if isinstance(e, EngineBusyError) else "error"
                 self._send(client, proto.encode("fail", request_id, kind, str(e)))
                 return
             self.owned[client].add(core_id)

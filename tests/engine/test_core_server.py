@@ -148,3 +148,22 @@ def test_a_stopping_core_refuses_new_requests_and_drains(tiny_llm, tmp_path):
     assert status == [0]
     server.close()
     client.stop()
+
+
+def test_a_full_core_refuses_with_engine_busy(core):
+    """Several API servers share the core: it enforces its capacity itself (HTTP 429 on the API side)."""
+    from jaxllm.errors import EngineBusyError
+
+    client = connect(core)
+    saved, core.capacity = core.capacity, 2
+    try:
+        qs = [queue.SimpleQueue() for _ in range(3)]
+        for i, q in enumerate(qs[:2]):
+            client.add_request(f"b{i}", [1, 2, 3], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), q.put)
+        qs[0].get(timeout=60)  # both admitted and running
+        client.add_request("b2", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5), qs[2].put)
+        assert isinstance(qs[2].get(timeout=30), EngineBusyError)
+    finally:
+        core.capacity = saved
+        client.stop()
+        assert wait_idle(core)
