@@ -12,22 +12,15 @@ import _queue
 from collections.abc import Callable
 from typing import TypeVar
 
+from jaxllm.engine.engine_loop import gevent_active
 from jaxllm.tokenizer.tokenizer import LONG_TEXT_CHARS
 
 T = TypeVar("T")
 
 
-def _gevent_active() -> bool:
-    try:
-        from gevent import monkey
-    except ImportError:
-        return False
-    return monkey.is_module_patched("socket")
-
-
 class OutputStream:
     def __init__(self):
-        if _gevent_active():
+        if gevent_active():
             import gevent.queue
             from gevent import get_hub
 
@@ -64,7 +57,7 @@ def offload(text_chars: int, fn: Callable[..., T], *args) -> T:
     costs more than it saves and busy pool threads contend with the hub for the GIL (many at once, measured:
     /health 130-220 ms when 64 short requests arrived together). Without gevent, calls fn directly."""
     global _pool
-    if text_chars < LONG_TEXT_CHARS or not _gevent_active():
+    if text_chars < LONG_TEXT_CHARS or not gevent_active():
         return fn(*args)
     from gevent.threadpool import ThreadPool
 

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 
 from jaxllm.engine import core_protocol as proto
-from jaxllm.engine.engine_loop import EngineDeadError
+from jaxllm.engine.engine_loop import EngineDeadError, gevent_active
 from jaxllm.engine.frontend import Frontend
 from jaxllm.errors import EngineBusyError, InvalidRequestError
 from jaxllm.outputs import RequestOutput
@@ -32,19 +32,11 @@ class EngineCoreRefused(RuntimeError):
     pass
 
 
-def _gevent_active() -> bool:
-    try:
-        from gevent import monkey
-    except ImportError:
-        return False
-    return monkey.is_module_patched("socket")
-
-
 class EngineCoreClient:
     def __init__(self, address: str, secret: str, *, timeout_s: float = 600.0,
                  tokenizer_loader: Callable[[dict], object] | None = None,
                  on_death: Callable[[], None] | None = None):
-        self.green = _gevent_active()
+        self.green = gevent_active()
         if self.green:
             import zmq.green as zmq
         else:

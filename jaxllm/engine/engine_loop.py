@@ -23,6 +23,15 @@ from jaxllm.sampling_params import SamplingParams
 logger = logging.getLogger("jaxllm.engine")
 
 
+def gevent_active() -> bool:
+    """Whether this process runs under gevent's monkey-patching (a gunicorn gevent worker)."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return False
+    return monkey.is_module_patched("socket")
+
+
 def start_os_thread(target: Callable[[], None]) -> None:
     try:
         from gevent import monkey
@@ -150,25 +159,11 @@ class EngineLoop:
 
     def shutdown(self) -> None:
         """Aborts whatever is still unfinished (each request gets its final output)."""
-        self._apply_pending_aborts()
+        self._refuse_queued("the engine is stopped", apply_aborts=True)
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
         self._flush()
         self.stats = self.engine.stats()
-
-    def _apply_pending_aborts(self) -> None:
-        while True:
-            try:
-                kind, arg = self._inbox.get_nowait()
-            except _queue.Empty:
-                return
-            if kind == "add":  # too late to run: refused like a request to a stopped engine
-                try:
-                    arg[3](EngineDeadError("the engine is stopped"))
-                except Exception:
-                    logger.exception("request %s: its output callback failed", arg[0])
-            elif kind == "abort":
-                self._apply(kind, arg)
 
     def die(self, error: str) -> None:
         """The engine failed (`error`: the traceback): every unfinished request, applied or queued, gets an
@@ -181,7 +176,7 @@ class EngineLoop:
                     request.on_output(EngineDeadError("the engine died"))
                 except Exception:
                     logger.exception("request %s: its output callback failed", request.request_id)
-        self._fail_queued()
+        self._refuse_queued("the engine died", apply_aborts=False)
         self._flush()
         if self.on_death is not None:
             self.on_death()
@@ -193,8 +188,9 @@ class EngineLoop:
             except Exception:
                 logger.exception("flushing the step's outputs failed")
 
-    def _fail_queued(self) -> None:
-        """Requests handed in but not yet applied when the engine died must not wait forever either."""
+    def _refuse_queued(self, why: str, apply_aborts: bool) -> None:
+        """Requests handed in but not yet applied get an EngineDeadError (they must not wait forever); queued
+        aborts are applied when the engine still works."""
         while True:
             try:
                 kind, arg = self._inbox.get_nowait()
@@ -202,6 +198,8 @@ class EngineLoop:
                 return
             if kind == "add":
                 try:
-                    arg[3](EngineDeadError("the engine died"))
+                    arg[3](EngineDeadError(why))
                 except Exception:
                     logger.exception("request %s: its output callback failed", arg[0])
+            elif kind == "abort" and apply_aborts:
+                self._apply(kind, arg)
