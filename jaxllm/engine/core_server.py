@@ -5,12 +5,16 @@ One thread does everything, as vLLM's engine-core busy loop does: it polls the s
 requests are unfinished), authenticates clients, hands their requests to the loop, runs one loop iteration (one
 engine step), sends each client one message with that step's outputs for it, and broadcasts the engine's stats
 every `STATS_INTERVAL_S` (the core's heartbeat). No second thread means no GIL hand-offs and no extra hop
-between a step and its outputs. Request ids are namespaced by client, so one API server can neither see nor
-abort another's requests. A client that vanished (a killed API worker) has its requests aborted as soon as
-an output for it cannot be delivered, so its KV pages come back."""
+between a step and its outputs. The one exception: a structured-output grammar the core has not compiled yet is
+compiled on a thread of its own (llguidance releases the GIL), and its request joins the batch when it is ready,
+so other streams do not stall for the compile. Request ids are namespaced by client, so one API server can
+neither see nor abort another's requests. A client that vanished (a killed API worker) has its requests aborted
+as soon as an output for it cannot be delivered, so its KV pages come back."""
 
 from __future__ import annotations
 
+import _queue
+import concurrent.futures
 import logging
 import time
 import traceback
@@ -24,7 +28,14 @@ from jaxllm.errors import EngineBusyError, InvalidRequestError
 
 logger = logging.getLogger("jaxllm.engine_core")
 STATS_INTERVAL_S = 0.2
+COMPILE_POLL_S = 0.005  # how often an idle core looks for compiled grammars
 SEND_QUEUE_MESSAGES = 10_000  # a client this many steps behind is treated as gone (its requests are aborted)
+
+
+def _fail_kind(e: Exception) -> str:
+    if isinstance(e, InvalidRequestError | ValueError | TypeError):
+        return "invalid"
+    return "dead" if isinstance(e, EngineDeadError) else "full" if isinstance(e, EngineBusyError) else "error"
 
 
 class EngineCoreServer:
@@ -41,6 +52,11 @@ class EngineCoreServer:
         self._pending_done: dict[bytes, list[str]] = {}  # and the core-side ids of requests that ended
         self.loop = EngineLoop(engine, flush=self._flush, thread=False)
         self.capacity = engine.config.max_num_seqs + engine.config.max_waiting_requests
+        self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-grammar")
+        self._compiled: _queue.SimpleQueue = _queue.SimpleQueue()  # (client, core id, failure or None)
+        self._compiling = 0  # requests whose grammar is being compiled
+        self._compiling_ids: set[str] = set()
+        self._abort_when_compiled: set[str] = set()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished client raises: its requests end
@@ -92,8 +108,11 @@ class EngineCoreServer:
             now = time.monotonic()
             busy = self.engine.has_unfinished_requests()
             wait_s = 0.0 if busy else max(0.0, last_stats + STATS_INTERVAL_S - now)
+            if self._compiling:
+                wait_s = min(wait_s, COMPILE_POLL_S)
             if poller.poll(timeout=int(wait_s * 1000)):
                 self._receive()
+            self._take_compiled()
             try:
                 self.loop.run_once(block=False)
             except Exception:
@@ -115,6 +134,7 @@ class EngineCoreServer:
         self._stop_at = time.monotonic() + drain_timeout_s
 
     def close(self) -> None:
+        self._compiler.shutdown(wait=True)
         self.sock.close(0)
 
     def _send(self, client: bytes, payload: bytes) -> bool:
@@ -130,11 +150,45 @@ class EngineCoreServer:
         self.clients.discard(client)
         self.nonces.pop(client, None)
         for core_id in self.owned.pop(client, set()):
+            self._abort(core_id)
+
+    def _abort(self, core_id: str) -> None:
+        if core_id in self._compiling_ids:
+            self._abort_when_compiled.add(core_id)
+        else:
             self.loop.abort_request(core_id)
 
     def _broadcast(self, payload: bytes) -> None:
         for client in list(self.clients):
             self._send(client, payload)
+
+    def _add(self, core_id, text, ids, params, cache_salt, on_output) -> None:
+        prompt = (text, self.engine.prepare_prompt(ids, params, cache_salt)[1])  # validated again, here
+        self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
+
+    def _add_when_compiled(self, client, request_id, core_id, text, ids, params, cache_salt, on_output) -> None:
+        """On the grammar thread (llguidance compiles with the GIL released): validate, compile, hand over."""
+        try:
+            self._add(core_id, text, ids, params, cache_salt, on_output)
+            self._compiled.put((client, core_id, None))
+        except Exception as e:
+            self._compiled.put((client, core_id, proto.encode("fail", request_id, _fail_kind(e), str(e))))
+
+    def _take_compiled(self) -> None:
+        while True:
+            try:
+                client, core_id, failure = self._compiled.get_nowait()
+            except _queue.Empty:
+                return
+            self._compiling -= 1
+            self._compiling_ids.discard(core_id)
+            if core_id in self._abort_when_compiled:  # aborted meanwhile: its add is ahead of this abort
+                self._abort_when_compiled.discard(core_id)
+                self.loop.abort_request(core_id)
+            if failure is not None:
+                self.owned.get(client, set()).discard(core_id)
+                if client in self.clients:
+                    self._send(client, failure)
 
     def _receive(self) -> None:
         while True:
@@ -175,18 +229,23 @@ class EngineCoreServer:
             try:
                 if self._stop_at is not None:
                     raise EngineDeadError("the engine core is shutting down")
-                if len(self.engine.requests) >= self.capacity:  # several API servers: none sees the others' load
-                    raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")
+                if len(self.engine.requests) + self._compiling >= self.capacity:  # several API servers: none
+                    raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")  # sees all
                 params = proto.params_from_wire(params)
-                prompt = (text, self.engine.prepare_prompt(list(ids), params, cache_salt)[1])
-                self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
+                spec = params.structured_outputs
+                if spec is not None and not self.engine.grammars.is_compiled(spec):  # compiling takes a while:
+                    self._compiling += 1  # not on the thread that steps every other request
+                    self._compiling_ids.add(core_id)
+                    self.owned[client].add(core_id)
+                    self._compiler.submit(self._add_when_compiled, client, request_id, core_id, text, list(ids),
+                                          params, cache_salt, on_output)
+                    return
+                self._add(core_id, text, list(ids), params, cache_salt, on_output)
             except Exception as e:  # the API side validated it already; refuse what still does not pass
-                kind = "invalid" if isinstance(e, InvalidRequestError | ValueError | TypeError) else \
-                    "dead" if isinstance(e, EngineDeadError) else "full" if isinstance(e, EngineBusyError) else "error"
-                self._send(client, proto.encode("fail", request_id, kind, str(e)))
+                self._send(client, proto.encode("fail", request_id, _fail_kind(e), str(e)))
                 return
             self.owned[client].add(core_id)
         elif kind == "abort":
             core_id = f"{client.hex()}:{message[1]}"
             if core_id in self.owned.get(client, ()):
-                self.loop.abort_request(core_id)
+                self._abort(core_id)

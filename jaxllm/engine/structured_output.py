@@ -80,6 +80,15 @@ class GrammarCompiler:
         self._compiled: collections.OrderedDict[str, llguidance.LLMatcher] = collections.OrderedDict()
         self.compile_seconds: list[float] = []  # per newly compiled grammar (for benchmarks)
 
+    def is_compiled(self, spec: StructuredOutputsParams) -> bool:
+        """Whether `matcher(spec)` would only copy (no compile); False for a spec that does not even render."""
+        try:
+            grammar = grammar_text(spec)
+        except InvalidRequestError:
+            return False
+        with self._lock:
+            return grammar in self._compiled
+
     def matcher(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
         """A fresh matcher for `spec` (compiled once per distinct grammar, then copied). Raises
         StructuredOutputError with llguidance's message when the constraint is invalid."""

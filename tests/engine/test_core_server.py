@@ -167,3 +167,92 @@ def test_a_full_core_refuses_with_engine_busy(core):
         core.capacity = saved
         client.stop()
         assert wait_idle(core)
+
+
+@pytest.fixture(scope="module")
+def grammar_core(tiny_model_dir, compile_cache_dir, tmp_path_factory):
+    """A core on the tiny model with a tokenizer (structured outputs need one)."""
+    import shutil
+
+    from tests.tiny_models import add_tiny_tokenizer
+
+    folder, _ = tiny_model_dir("llama")
+    with_tokenizer = tmp_path_factory.mktemp("grammar") / "llama"
+    shutil.copytree(folder, with_tokenizer)
+    add_tiny_tokenizer(with_tokenizer)
+    llm = LLM(str(with_tokenizer), dtype="float32", attn_impl="reference", max_num_seqs=8, max_num_batched_tokens=32,
+              num_pages=128, max_model_len=128, page_size=4, compilation_cache_dir=compile_cache_dir)
+    server = EngineCoreServer(llm.engine, f"ipc://{tmp_path_factory.mktemp('gcore')}/core", SECRET,
+                              {"model": str(with_tokenizer)})
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.stop()
+    thread.join(30)
+    server.close()
+
+
+def test_grammars_compile_off_the_loop_thread(grammar_core):
+    """A new grammar compiles on the core's grammar thread while other requests keep stepping; a request aborted
+    during its compile never runs; a grammar that fails to compile is refused."""
+    from jaxllm.errors import InvalidRequestError
+    from jaxllm.sampling_params import StructuredOutputsParams
+
+    compiler = grammar_core.engine.grammars
+    real = compiler.matcher
+    started = threading.Event()
+
+    def slow_matcher(spec):  # a compile here takes 0.5 s more, so that the races below are deterministic
+        if not compiler.is_compiled(spec):
+            assert threading.current_thread().name.startswith("jaxllm-grammar")  # never the loop's thread
+            started.set()
+            time.sleep(0.5)
+        return real(spec)
+
+    compiler.matcher = slow_matcher
+    client = EngineCoreClient(grammar_core.address, SECRET, timeout_s=30)
+    try:
+        running = queue.SimpleQueue()
+        client.add_request("plain", "hello world", SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                           running.put)
+        schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+        spec = StructuredOutputsParams(json=schema)
+        params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec)
+        text, ids = None, [5, 6, 7]
+        done = queue.SimpleQueue()
+        client.add_request("json", None, params, done.put, prepared=(text, ids))
+        assert started.wait(10)
+        steps_during_compile = 0
+        deadline = time.monotonic() + 0.4
+        while time.monotonic() < deadline:  # the plain stream goes on while the grammar compiles
+            try:
+                running.get(timeout=0.05)
+                steps_during_compile += 1
+            except queue.Empty:
+                pass
+        assert steps_during_compile >= 3
+        out = done.get(timeout=60)
+        while not out.finished:
+            out = done.get(timeout=60)
+        assert out.outputs[0].text.lstrip().startswith("{")  # constrained by the grammar
+        # aborted while compiling: never runs
+        started.clear()
+        spec2 = StructuredOutputsParams(json={**schema, "title": "another"})
+        aborted = queue.SimpleQueue()
+        client.add_request("late", None, SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec2),
+                           aborted.put, prepared=(text, ids))
+        assert started.wait(10)
+        client.abort_request("late")
+        last = aborted.get(timeout=60)
+        while not last.finished:
+            last = aborted.get(timeout=60)
+        assert last.outputs[0].finish_reason == "abort" and len(last.outputs[0].token_ids) <= 1
+        # refused by the compiler itself
+        bad = queue.SimpleQueue()
+        client.add_request("bad", None, SamplingParams(structured_outputs=StructuredOutputsParams(grammar="start: (")),
+                           bad.put, prepared=(text, ids))
+        assert isinstance(bad.get(timeout=60), InvalidRequestError)
+    finally:
+        compiler.matcher = real
+        client.stop()
+    assert wait_idle(grammar_core)
