@@ -50,6 +50,7 @@ class EngineCoreClient:
         self.requests: dict[str, proto.OutputAssembler] = {}
         self.stats: dict = {}
         self.sent_since_stats: set[str] = set()
+        self.finished_since_stats = 0
         self.error: str | None = None
         self.stopped = False
         self._ready = False
@@ -80,9 +81,9 @@ class EngineCoreClient:
 
     @property
     def load(self) -> int:
-        """Unfinished requests on the core as it last reported, plus those sent since that are still unfinished
-        (data-parallel routing)."""
-        return self.stats.get("num_requests", 0) + len(self.sent_since_stats)
+        """Unfinished requests on the core (data-parallel routing): as it last reported, less this client's that
+        finished since, plus this client's sent since and still unfinished (exact for this client's own)."""
+        return max(0, self.stats.get("num_requests", 0) - self.finished_since_stats) + len(self.sent_since_stats)
 
     @property
     def rank_stats(self) -> list[dict]:
@@ -204,17 +205,24 @@ class EngineCoreClient:
                 out = assembler.apply(message[2])
                 if out.finished:
                     del self.requests[message[1]]
-                    self.sent_since_stats.discard(message[1])
+                    self._ended(message[1])
         elif kind == "fail":
             assembler = self.requests.pop(message[1], None)
-            self.sent_since_stats.discard(message[1])
             if assembler is not None:
+                self._ended(message[1])
                 error = {"invalid": InvalidRequestError, "dead": EngineDeadError,
                          "full": EngineBusyError}.get(message[2], RuntimeError)
                 assembler.on_output(error(message[3]))
         elif kind == "stats":
             self.stats = message[1]
             self.sent_since_stats.clear()
+            self.finished_since_stats = 0
+
+    def _ended(self, request_id: str) -> None:
+        if request_id in self.sent_since_stats:
+            self.sent_since_stats.discard(request_id)
+        else:  # counted in the last stats, gone now
+            self.finished_since_stats += 1
 
     def _lost(self, why: str) -> None:
         if not self._ready:
@@ -223,6 +231,7 @@ class EngineCoreClient:
         self._ready, self.error = False, why
         requests, self.requests = self.requests, {}
         self.sent_since_stats.clear()
+        self.finished_since_stats = 0
         for assembler in requests.values():
             try:
                 assembler.on_output(EngineDeadError(why))

@@ -170,6 +170,15 @@ def per_engine(srv: Server, name: str) -> dict[str, float]:
                                                                re.MULTILINE)}
 
 
+def counted(srv: Server, n: int) -> dict[str, float]:
+    """Per-rank requests received, once the cores' published counters (a few times a second) show `n` in all."""
+    deadline = time.monotonic() + 10
+    while sum((routed := per_engine(srv, "jaxllm_engine_requests_total")).values()) < n:
+        assert time.monotonic() < deadline, routed
+        time.sleep(0.05)
+    return routed
+
+
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory, compile_cache_dir):
     log = tmp_path_factory.mktemp("gunicorn_dp") / "server.log"
@@ -188,12 +197,13 @@ def test_data_parallel_2_spreads_load_keeps_prefixes_together_and_matches_dp_1(d
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         single = list(pool.map(lambda p: greedy(server, p), PROMPTS))
     assert dp == single
-    routed = per_engine(dp_server, "jaxllm_engine_requests_total")
+    routed = counted(dp_server, len(PROMPTS))
     assert set(routed) == {"0", "1"} and min(routed.values()) >= 8, routed  # both ranks took a share
     before = per_engine(dp_server, "jaxllm_engine_prefix_cache_hit_tokens_total")
     prefix = " ".join(f"word{i}" for i in range(100))  # ~290 tokens shared
     for i in range(4):
         greedy(dp_server, f"{prefix} question {i}:", max_tokens=4)
+    counted(dp_server, len(PROMPTS) + 4)
     after = per_engine(dp_server, "jaxllm_engine_prefix_cache_hit_tokens_total")
     gained = sorted(after[r] - before.get(r, 0) for r in after)
     assert gained[0] == 0 and gained[1] >= 3 * 256, (before, after)  # one rank, its cache hit three times
