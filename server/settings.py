@@ -13,7 +13,8 @@ JAXLLM_REASONING_PARSER (qwen3, deepseek_r1: <think> blocks go to reasoning_cont
 TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
 Serve modes (see README): JAXLLM_ENGINE_ADDRESS (a ZeroMQ address, e.g. tcp://10.0.0.5:5555 or ipc:///run/core:
 use the engine-core process there instead of an engine in this process) with JAXLLM_ENGINE_SECRET (the secret
-shared with it); JAXLLM_API_SERVERS (gunicorn.conf.py: N API worker processes sharing one engine-core process).
+shared with it; comma-separated addresses: one engine core per data-parallel rank); in gunicorn.conf.py,
+JAXLLM_API_SERVERS (N API worker processes sharing engine-core processes) and JAXLLM_DATA_PARALLEL_SIZE (D of them).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ passes the handshake again and serves."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -34,19 +35,17 @@ class EngineCoreRefused(RuntimeError):
 
 class EngineCoreClient:
     def __init__(self, address: str, secret: str, *, timeout_s: float = 600.0,
-                 tokenizer_loader: Callable[[dict], object] | None = None,
-                 on_death: Callable[[], None] | None = None):
+                 tokenizer_loader: Callable[[dict], object] | None = None):
         self.green = gevent_active()
         if self.green:
             import zmq.green as zmq
         else:
             import zmq
         self.zmq = zmq
-        self.address, self.secret, self.on_death = address, secret, on_death
+        self.address, self.secret = address, secret
         self.ctx = zmq.Context()
-        self._lock = _NoLock() if self.green else threading.Lock()
-        self.sock = self._socket()
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._lock = contextlib.nullcontext() if self.green else threading.Lock()
+        self._connect()
         self.requests: dict[str, proto.OutputAssembler] = {}
         self.stats: dict = {}
         self.sent_since_stats: set[str] = set()
@@ -63,7 +62,8 @@ class EngineCoreClient:
                                tuple(info["eos_token_ids"]), info["model_name"])
         self._start_reader()
 
-    def _socket(self):
+    def _connect(self) -> None:
+        """A fresh DEALER socket to the core (and its monitor, which reports a dropped connection)."""
         zmq = self.zmq
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, os.urandom(16))
@@ -72,7 +72,7 @@ class EngineCoreClient:
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a core that is not there (no stale hellos)
         sock.connect(self.address)
-        return sock
+        self.sock, self.monitor = sock, sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     # -- the interface the server uses (as EngineLoop's)
     @property
@@ -237,17 +237,13 @@ class EngineCoreClient:
                 assembler.on_output(EngineDeadError(why))
             except Exception:
                 logger.exception("request %s: its output callback failed", assembler.request_id)
-        if self.on_death is not None:
-            self.on_death()
 
     def _reconnect(self) -> None:
         """A new socket (the old one's queue may hold the dead core's leftovers), then the handshake again."""
-        zmq = self.zmq
         with self._lock:
             self.monitor.close(0)
             self.sock.close(0)
-            self.sock = self._socket()
-            self.monitor = self.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._connect()
             try:
                 info = self._handshake(HANDSHAKE_RETRY_S * 2)
             except TimeoutError:
@@ -256,16 +252,8 @@ class EngineCoreClient:
                 logger.error("%s", e)
                 time.sleep(HANDSHAKE_RETRY_S)
                 return
-        self.info, self.error = info, None
+        self.info, self.stats, self.error = info, info.get("stats", {}), None
         logger.info("engine core at %s connected again", self.address)
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _load_tokenizer(info: dict):

@@ -51,11 +51,10 @@ class EngineCoreServer:
         self._pending: dict[bytes, list] = {}  # this iteration's outputs per client
         self._pending_done: dict[bytes, list[str]] = {}  # and the core-side ids of requests that ended
         self.loop = EngineLoop(engine, flush=self._flush, thread=False)
-        self.capacity = engine.config.max_num_seqs + engine.config.max_waiting_requests
+        self.capacity = self.loop.capacity
         self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxllm-grammar")
         self._compiled: _queue.SimpleQueue = _queue.SimpleQueue()  # (client, core id, failure or None)
-        self._compiling = 0  # requests whose grammar is being compiled
-        self._compiling_ids: set[str] = set()
+        self._compiling: set[str] = set()  # core ids of requests whose grammar is being compiled
         self._abort_when_compiled: set[str] = set()
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -87,9 +86,7 @@ class EngineCoreServer:
 
         def on_output(out):
             if isinstance(out, Exception):
-                kind = "dead" if isinstance(out, EngineDeadError) else \
-                    "invalid" if isinstance(out, InvalidRequestError) else "error"
-                item, ended = ["fail", request_id, kind, str(out)], True
+                item, ended = ["fail", request_id, _fail_kind(out), str(out)], True
             else:
                 item, ended = ["out", request_id, deltas.delta(out)], out.finished
             self._pending.setdefault(client, []).append(item)
@@ -125,7 +122,6 @@ class EngineCoreServer:
                 self._broadcast(proto.encode("stats", self.loop.stats))
             if self._stop_at is not None and (now >= self._stop_at or not self.engine.has_unfinished_requests()):
                 self.loop.shutdown()  # what is still running is aborted
-                self.loop.stopped = True
                 return 0
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
@@ -137,14 +133,12 @@ class EngineCoreServer:
         self._compiler.shutdown(wait=True)
         self.sock.close(0)
 
-    def _send(self, client: bytes, payload: bytes) -> bool:
+    def _send(self, client: bytes, payload: bytes) -> None:
         try:
             self.sock.send_multipart([client, payload], flags=zmq.NOBLOCK)
-            return True
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: it stopped reading
             logger.warning("client %s unreachable (%s): aborting its requests", client.hex(), e)
             self._drop(client)
-            return False
 
     def _drop(self, client: bytes) -> None:
         self.clients.discard(client)
@@ -153,7 +147,7 @@ class EngineCoreServer:
             self._abort(core_id)
 
     def _abort(self, core_id: str) -> None:
-        if core_id in self._compiling_ids:
+        if core_id in self._compiling:
             self._abort_when_compiled.add(core_id)
         else:
             self.loop.abort_request(core_id)
@@ -180,8 +174,7 @@ class EngineCoreServer:
                 client, core_id, failure = self._compiled.get_nowait()
             except _queue.Empty:
                 return
-            self._compiling -= 1
-            self._compiling_ids.discard(core_id)
+            self._compiling.discard(core_id)
             if core_id in self._abort_when_compiled:  # aborted meanwhile: its add is ahead of this abort
                 self._abort_when_compiled.discard(core_id)
                 self.loop.abort_request(core_id)
@@ -229,13 +222,12 @@ class EngineCoreServer:
             try:
                 if self._stop_at is not None:
                     raise EngineDeadError("the engine core is shutting down")
-                if len(self.engine.requests) + self._compiling >= self.capacity:  # several API servers: none
+                if len(self.engine.requests) + len(self._compiling) >= self.capacity:  # several API servers: none
                     raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")  # sees all
                 params = proto.params_from_wire(params)
                 spec = params.structured_outputs
                 if spec is not None and not self.engine.grammars.is_compiled(spec):  # compiling takes a while:
-                    self._compiling += 1  # not on the thread that steps every other request
-                    self._compiling_ids.add(core_id)
+                    self._compiling.add(core_id)  # not on the thread that steps every other request
                     self.owned[client].add(core_id)
                     self._compiler.submit(self._add_when_compiled, client, request_id, core_id, text, list(ids),
                                           params, cache_salt, on_output)

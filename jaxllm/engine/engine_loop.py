@@ -158,12 +158,13 @@ class EngineLoop:
         self.stats = self.engine.stats()
 
     def shutdown(self) -> None:
-        """Aborts whatever is still unfinished (each request gets its final output)."""
+        """Aborts whatever is still unfinished (each request gets its final output); the loop is then stopped."""
         self._refuse_queued("the engine is stopped", apply_aborts=True)
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
         self._flush()
         self.stats = self.engine.stats()
+        self.stopped = True
 
     def die(self, error: str) -> None:
         """The engine failed (`error`: the traceback): every unfinished request, applied or queued, gets an
