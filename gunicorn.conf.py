@@ -7,6 +7,8 @@
   address with a fresh shared secret, and restarts if it dies (workers answer 503 meanwhile, then reconnect);
 - JAXLLM_DATA_PARALLEL_SIZE=D (D > 1): D engine-core processes, each on its share of the devices, that the
   JAXLLM_API_SERVERS workers (default 1) share, each request sent to a rank by load and prefix affinity;
+- JAXLLM_NUM_HOSTS=H (H > 1, with JAXLLM_COORDINATOR_ADDRESS): the model spans H hosts; this master starts rank
+  0's engine core, and each other host runs `python -m server.engine_core --headless --host-rank R ...`;
 - JAXLLM_ENGINE_ADDRESS (+ JAXLLM_ENGINE_SECRET): N = JAXLLM_API_SERVERS workers (default 1) using engine
   cores started elsewhere (headless; comma-separated addresses, one per data-parallel rank); this master starts
   none.
@@ -23,8 +25,13 @@ if api_servers < 1:
 data_parallel_size = int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", "1"))
 if data_parallel_size < 1:
     raise ValueError(f"JAXLLM_DATA_PARALLEL_SIZE={data_parallel_size}: at least 1")
+num_hosts = int(os.environ.get("JAXLLM_NUM_HOSTS") or 1)
 remote_engine = bool(os.environ.get("JAXLLM_ENGINE_ADDRESS"))
-engine_process = (api_servers > 1 or data_parallel_size > 1) and not remote_engine  # this master runs the cores
+# This master runs the cores. Multi-host too: the job ends every process when a host fails, so the engine
+# (rank 0) must not live in the API worker, which keeps answering (503) until the core is back.
+engine_process = (api_servers > 1 or data_parallel_size > 1 or num_hosts > 1) and not remote_engine
+if num_hosts > 1 and data_parallel_size > 1:
+    raise ValueError("JAXLLM_NUM_HOSTS > 1 with JAXLLM_DATA_PARALLEL_SIZE > 1 is not supported yet")
 workers = api_servers
 worker_class = "gevent"
 worker_connections = 1000

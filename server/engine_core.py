@@ -2,7 +2,11 @@
 gunicorn.conf.py starts for several API workers):
 
     JAXLLM_ENGINE_SECRET=... python -m server.engine_core [--address tcp://127.0.0.1:5555]
-        [--data-parallel-size D]
+        [--data-parallel-size D] [--num-hosts H --host-rank 0 --coordinator-address HOST0:PORT]
+    python -m server.engine_core --headless --num-hosts H --host-rank R --coordinator-address HOST0:PORT
+
+The second form is a multi-host follower (R > 0: it runs rank 0's steps on this host's devices; see
+jaxllm/engine/multihost.py); rank 0 is an engine core as usual (or gunicorn with JAXLLM_NUM_HOSTS set).
 
 The engine is configured from the same JAXLLM_* variables as the server (server/settings.py). With
 --data-parallel-size D this process supervises D engine-core processes, rank r listening on the address's port
@@ -67,12 +71,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-parallel-size", type=int, default=int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", 1)))
     p.add_argument("--data-parallel-rank", type=int, help="run this one rank (what the supervisor starts)")
     p.add_argument("--headless", action="store_true", help="accepted for vLLM-style command lines (always headless)")
+    p.add_argument("--num-hosts", type=int, help="multi-host: hosts the model spans (JAXLLM_NUM_HOSTS)")
+    p.add_argument("--host-rank", type=int, help="multi-host: this host's rank; > 0 follows rank 0 (JAXLLM_HOST_RANK)")
+    p.add_argument("--coordinator-address", help="multi-host: rank 0's host:port (JAXLLM_COORDINATOR_ADDRESS)")
     args = p.parse_args(argv)
+    for name in ("num_hosts", "host_rank", "coordinator_address"):
+        if getattr(args, name) is not None:
+            os.environ[f"JAXLLM_{name.upper()}"] = str(getattr(args, name))
+    if int(os.environ.get("JAXLLM_HOST_RANK") or 0) > 0:
+        return follow()
     secret = os.environ.get("JAXLLM_ENGINE_SECRET")
     if not secret:
         p.error("set JAXLLM_ENGINE_SECRET: API servers prove they know it")
     if args.data_parallel_size < 1:
         p.error("--data-parallel-size must be >= 1")
+    if args.data_parallel_size > 1 and int(os.environ.get("JAXLLM_NUM_HOSTS") or 1) > 1:
+        p.error("data parallelism over several hosts' engine cores is not supported yet")
     logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1 and args.data_parallel_rank is None:  # supervise one process per rank
@@ -101,6 +115,20 @@ def main(argv: list[str] | None = None) -> int:
     status = core.serve_forever()
     core.close()
     return status
+
+
+def follow() -> int:
+    """A multi-host follower (rank > 0): the same engine start as rank 0 (load this host's shards, warm up the
+    same buckets), then run the steps rank 0 sends until it stops. It serves nothing itself."""
+    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jaxllm.engine import multihost
+    from jaxllm.engine.llm_engine import LLMEngine
+    from server.settings import ServerSettings
+
+    cfg = ServerSettings.from_env().engine
+    engine = LLMEngine(cfg)
+    return multihost.follow(engine.runner, multihost.step_address(cfg.coordinator_address), cfg.host_rank)
 
 
 if __name__ == "__main__":

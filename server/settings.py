@@ -5,6 +5,7 @@ JAXLLM_SERVED_MODEL_NAME, JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES
 JAXLLM_KV_CACHE_DTYPE, JAXLLM_TENSOR_PARALLEL_SIZE, JAXLLM_MAX_NUM_SEQS, JAXLLM_MAX_NUM_BATCHED_TOKENS,
 JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL,
 JAXLLM_QUANTIZATION (auto: a GGUF file's own; int8; none),
+JAXLLM_NUM_HOSTS, JAXLLM_HOST_RANK, JAXLLM_COORDINATOR_ADDRESS (multi-host: one model over several hosts),
 JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N
 (most choices per request, default 16), JAXLLM_ALLOWED_ORIGINS (comma-separated origins allowed by CORS, or *;
 default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing the model's, as vLLM's
@@ -32,7 +33,7 @@ _ENGINE_ENV = {
     "kv_cache_dtype": str, "tensor_parallel_size": int, "max_num_seqs": int, "max_num_batched_tokens": int,
     "max_waiting_requests": int,
     "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
-    "quantization": str,
+    "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
 }
 
 

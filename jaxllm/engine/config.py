@@ -36,7 +36,12 @@ class EngineConfig:
     model: str | None = None  # HF folder, GGUF file, orbax checkpoint; None: the embedded SmolLM2
     served_model_name: str | None = None
     dtype: str = "auto"
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # may span hosts (num_hosts > 1): the mesh holds every host's devices
+    # Multi-host (one model over several hosts' devices; see jaxllm.engine.multihost): every host runs with the same
+    # config except host_rank; rank 0 schedules and serves, the others follow its steps.
+    num_hosts: int = 1
+    host_rank: int = 0
+    coordinator_address: str | None = None  # rank 0's host:port for jax.distributed (port + 1: the step channel)
     attn_impl: str = "auto"
     matmul_impl: str = "auto"
     # auto (a GGUF file's own quantization; other checkpoints as stored), gguf, int8 (made at load), none (float)
@@ -63,6 +68,10 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.num_hosts >= 1, "num_hosts must be >= 1"),
+            (0 <= self.host_rank < self.num_hosts, "host_rank must be in [0, num_hosts)"),
+            (self.num_hosts == 1 or bool(self.coordinator_address),
+             "num_hosts > 1 needs coordinator_address (rank 0's host:port)"),
             (self.quantization in QUANTIZATIONS, f"quantization must be one of {', '.join(QUANTIZATIONS)}"),
             (self.kv_cache_dtype in ("auto", *KV_CACHE_DTYPES),
              f"kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}"),

@@ -132,6 +132,7 @@ class EngineCoreServer:
     def close(self) -> None:
         self._compiler.shutdown(wait=True)
         self.sock.close(0)
+        self.engine.close()  # multi-host: the follower hosts stop with it
 
     def _send(self, client: bytes, payload: bytes) -> None:
         try:

@@ -3,6 +3,7 @@ scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
 from jaxllm.dtypes import resolve_kv_cache_dtype
-from jaxllm.engine import compile_monitor
+from jaxllm.engine import compile_monitor, multihost
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -70,12 +71,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaForCausalLM | None = None,
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
         self.config = config = config or EngineConfig()
+        multihost.initialize(config.num_hosts, config.host_rank, config.coordinator_address)  # before any backend
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         # Executables are cached only for models this engine loaded itself: an edited model can differ in ways
         # no cache key sees (see executable_cache).
         executable_cache = None
-        if config.compilation_cache_dir and model is None and loaded is None:
+        # (Nor for multi-host jobs: an executable spanning processes is rebuilt, not deserialized.)
+        if config.compilation_cache_dir and model is None and loaded is None and config.num_hosts == 1:
             try:
                 executable_cache = ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir),
                                                                 "executables"))
@@ -126,6 +129,32 @@ class LLMEngine:
             after = compile_monitor.snapshot()
             self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
             logger.info("start-up: %s", self.startup.summary())
+        self._leader = None
+        if config.num_hosts > 1 and config.host_rank == 0:
+            self._lead_followers()
+
+    def _lead_followers(self) -> None:
+        """Multi-host rank 0, once every host warmed up the same buckets in the same order (lockstep): wait for the
+        followers on the step channel, then send them every step. They are told to stop at `close` (also at
+        exit: JAX's own exit handler waits for every host)."""
+        c = self.config
+        self._leader = multihost.StepLeader(multihost.step_address(c.coordinator_address), c.num_hosts - 1)
+        self._leader.wait_for_followers(multihost.INIT_TIMEOUT_S)
+        self.runner.lead(self._leader, multihost.StepWatchdog())
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Releases what outlives the engine object: on multi-host rank 0, the follower hosts (they exit)."""
+        if self._leader is not None:
+            self._leader.stop()
+            self._leader.close()
+            self._leader = None
+
+    @property
+    def step_channel_stats(self) -> dict:
+        """Multi-host rank 0: steps sent to the followers, their bytes, and the seconds spent sending."""
+        lead = self._leader
+        return {} if lead is None else {"steps": lead.sends, "bytes": lead.sent_bytes, "send_s": lead.send_s}
 
     @property
     def warmup_seconds(self) -> float:
@@ -136,6 +165,7 @@ class LLMEngine:
         page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * \
             jnp.dtype(self.kv_cache_dtype).itemsize
         num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
+        num_pages = multihost.agree_min(num_pages)  # a compiled shape: every host must use the same
         max_len = min(c.max_model_len or cfg.max_position_embeddings, num_pages * c.page_size)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "
                     "maximum concurrency at max_model_len: %.1f", num_pages, c.page_size, num_pages * c.page_size,

@@ -117,6 +117,14 @@ class ModelRunner:
                          for _, s in self.buckets}
         self.mask_width = bitmask_width(cfg.vocab_size)
         self._no_mask = {s: put(np.full((s, self.mask_width), -1, np.int32)) for _, s in self.buckets}
+        # By name: a multi-host step message refers to them, each host holding its own (jaxllm.engine.multihost).
+        self.constants = {f"{kind}/{s}": a for s in self._no_history for kind, a in (
+            ("history", self._no_history[s]), ("bias_ids", self._no_bias[s][0]),
+            ("bias_values", self._no_bias[s][1]), ("mask", self._no_mask[s]))}
+        self._treedefs: dict[tuple[int, int], object] = {}
+        self._leader = None  # multi-host rank 0: each step's inputs go to the other hosts first
+        self._codec = None
+        self._watchdog = None
         self.mask_seconds: collections.deque[float] = collections.deque(maxlen=4096)  # grammar mask fills (host)
         # What a build lowers against: shapes, dtypes and shardings only (the caches are donated by every run, so
         # a build on another thread must not touch the arrays themselves).
@@ -268,20 +276,46 @@ class ModelRunner:
                                bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
                                np.bool_(any_random), np.bool_(any_logprobs), mask, np.bool_(bool(constrained)))
 
+    def lead(self, leader, watchdog) -> None:
+        """Multi-host rank 0: from now on every step's inputs are sent to the follower hosts (`leader`, a
+        `multihost.StepLeader`) before it runs, and `watchdog` brackets each step."""
+        from jaxllm.engine.multihost import StepCodec
+
+        self._leader, self._codec, self._watchdog = leader, StepCodec(self.constants), watchdog
+
+    def input_treedef(self, bucket: tuple[int, int]):
+        """The structure of a step's inputs for `bucket` (the same for every step of it)."""
+        if bucket not in self._treedefs:
+            self._treedefs[bucket] = jax.tree.structure(self._inputs(ScheduledStep([], []), bucket)[0])
+        return self._treedefs[bucket]
+
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
         bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))
         inputs, rows = self._inputs(step, bucket)
+        if self._leader is not None:
+            self._leader.send(self._codec.encode(bucket, jax.tree.leaves(inputs)))
+            self._watchdog.started()
+        out = self.run_inputs(bucket, inputs)
+        tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        if self._watchdog is not None:
+            self._watchdog.finished()
+        n = len(rows)
+        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+
+    def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False):
+        """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the
+        sampler's outputs (device arrays; `wait`: once computed)."""
         run = self._executables.get(bucket)
         if run is None:
             start = time.perf_counter()
             run = self.build(bucket)
             self.build_wait_s += time.perf_counter() - start
         self._caches, out = run(self.params, self.caches, *inputs)
-        tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        if wait or bucket in self._unsaved:  # a fresh executable is saved once its first run completed
+            jax.block_until_ready(out)
         if self._unsaved:
             self._save_after_first_run(bucket, run)
-        n = len(rows)
-        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+        return out
 
     def _save_after_first_run(self, bucket: tuple[int, int], run: jax.stages.Compiled) -> None:
         with self._build_lock:
