@@ -89,6 +89,7 @@ class LLMEngine:
                                 attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
                                 kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
         load_s = time.perf_counter() - start
+        self.checkpoint_bytes_read = loaded.bytes_read if loaded is not None else 0
         if loaded is not None:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
         else:

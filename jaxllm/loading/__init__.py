@@ -22,7 +22,7 @@ from jaxllm.loading.gguf import gguf_config, gguf_quant_plan, gguf_tensors
 from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.hf import hf_tensors, load_hf_config
 from jaxllm.loading.quantize import QUANTIZATIONS, int8_plan, plan_label
-from jaxllm.loading.weights import assemble_model
+from jaxllm.loading.weights import ReadStats, assemble_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sharding import check_tensor_parallel, make_mesh
 from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
@@ -41,6 +41,7 @@ class LoadedModel:
     config: ModelConfig
     mesh: Mesh
     name: str
+    bytes_read: int = 0  # of the checkpoint, by this process (over several hosts: its devices' share)
 
 
 def _resolve(path: str | Path | None) -> Path:
@@ -104,6 +105,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     kernels = choose_kernels(attn_impl, matmul_impl, platform=next(iter(mesh.devices.flat)).platform, dtype=dt,
                              kv_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dt), mesh=mesh)
     tokenizer = None
+    read = ReadStats()
     if quantization == "gguf" and not p.is_file():
         raise LoadError(f"{p}: quantization='gguf' needs a GGUF file")
     if p.is_file():
@@ -113,7 +115,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         plan = gguf_quant_plan(g) if quantization in ("auto", "gguf") else \
             int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, gguf_tensors(g, cfg, quantized=quantization in ("auto", "gguf")), dtype=dt,
-                               kernels=kernels, mesh=mesh, quantization=plan)
+                               kernels=kernels, mesh=mesh, quantization=plan, read_stats=read)
         if load_tokenizer_too:
             tokenizer = tokenizer_from_gguf(g.metadata, str(p))
     elif is_orbax_checkpoint(p):
@@ -126,7 +128,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
         plan = int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
-        model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan)
+        model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan,
+                               read_stats=read)
     model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
@@ -134,6 +137,6 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     from flax import nnx
     jax.block_until_ready(nnx.state(model, nnx.Param))  # transfers done: their host buffers can be released
     _release_host_memory()
-    logger.info("loaded %s: weights %s, %.1f MB resident", name, plan_label(model.quant_plan),
-                weight_bytes(model) / 1e6)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name)
+    logger.info("loaded %s: weights %s, %.1f MB resident (all devices); this process read %d bytes of the "
+                "checkpoint", name, plan_label(model.quant_plan), weight_bytes(model) / 1e6, read.bytes)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name, bytes_read=read.bytes)

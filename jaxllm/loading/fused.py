@@ -24,11 +24,13 @@ def part_shapes(fused: str, cfg: ModelConfig, tail: tuple[int, ...]) -> list[tup
 
 
 def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
-    """parts in PARTS order, shaped as `part_shapes` says -> the fused [out, ...] array."""
+    """parts in PARTS order, shaped as `part_shapes` says (or the same share of each: one host's heads or MLP
+    rows) -> the fused [out, ...] array."""
     tail = parts[0].shape[1:]
     if fused == "qkv_proj":
-        kvh, d = cfg.num_kv_heads, cfg.head_dim
         q, k, v = parts
+        d = cfg.head_dim
+        kvh = k.shape[0] // d
         grouped = np.concatenate([q.reshape(kvh, -1, d, *tail), k.reshape(kvh, 1, d, *tail),
                                   v.reshape(kvh, 1, d, *tail)], axis=1)  # [kv_heads, group + 2, head_dim, ...]
         return grouped.reshape(-1, *tail)

@@ -55,9 +55,11 @@ def hf_tensors(folder: Path) -> Iterator[tuple[str, object, str]]:
         except Exception as e:
             raise LoadError(f"{file}: not a valid safetensors file ({e})") from None
         for name in names:
-            def load(f=f, name=name, file=file):
+            def load(window=None, f=f, name=name, file=file):
+                """The tensor, or only its `window` (a tuple of slices: safetensors reads just those bytes)."""
                 try:
-                    return f.get_tensor(name)
+                    return f.get_tensor(name) if window is None else f.get_slice(name)[window]
                 except Exception as e:  # safetensors raises its own error types
                     raise LoadError(f"{file}: cannot read tensor {name!r} ({e})") from None
+            load.windowed = True
             yield name, load, str(file)

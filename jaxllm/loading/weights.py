@@ -13,6 +13,7 @@ import collections
 import concurrent.futures
 import functools
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -63,9 +64,49 @@ def abstract_model(cfg: ModelConfig, dtype, kernels: Kernels, *, stacked: bool =
     return model
 
 
-def place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    """Copies only each device's shard of a host array onto that device."""
-    return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+def place(array: np.ndarray, sharding: jax.sharding.Sharding, shape: tuple[int, ...] | None = None,
+          region: tuple[slice, ...] | None = None) -> jax.Array:
+    """Copies only each device's shard of a host array onto that device. With `shape` and `region`, the host
+    array is only the `region` of a global array of `shape` (what this process's devices hold)."""
+    if region is None:
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    def shard(index):
+        return array[tuple(slice(i.start - r.start, i.stop - r.start) for i, r in
+                           zip(_bounds(index, shape), region, strict=True))]
+    return jax.make_array_from_callback(shape, sharding, shard)
+
+
+def _bounds(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
+
+
+def local_region(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> tuple[slice, ...]:
+    """The part of a global array of `shape` that this process's devices hold (their shards' bounding box): on one
+    host everything; on several, each host's share of the sharded axes."""
+    indices = [_bounds(i, shape) for i in sharding.addressable_devices_indices_map(shape).values()]
+    return tuple(slice(min(i[a].start for i in indices), max(i[a].stop for i in indices)) for a in range(len(shape)))
+
+
+def _extent(region: tuple[slice, ...]) -> tuple[int, ...]:
+    return tuple(r.stop - r.start for r in region)
+
+
+def _window(region: tuple[slice, ...], var_shape: tuple[int, ...], tensor_shape: tuple[int, ...]
+            ) -> tuple[slice, ...] | None:
+    """The slice of a checkpoint tensor that fills `region` of its variable (None: all of it). A fused part
+    (q of qkv, gate of gate_up) is `tensor_shape` long where the variable is `var_shape`: the fused layouts group
+    rows by shard (KV head, MLP row), so a region of whole shards takes the same fraction of every part."""
+    if all(r.start == 0 and r.stop == n for r, n in zip(region, var_shape, strict=True)):
+        return None
+    return tuple(slice(r.start * t // v, r.stop * t // v)
+                 for r, v, t in zip(region, var_shape, tensor_shape, strict=True))
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, HostQuantized):
+        return sum(a.nbytes for a in value.weight if a is not None)
+    return value.nbytes
 
 
 PREFETCH = 4  # tensors converted ahead of the one being placed
@@ -120,26 +161,49 @@ def _variables(path: tuple, fmt) -> list[tuple]:
     return [(*path[:-1], f"{path[-1]}{suffix}") for suffix in suffixes]
 
 
+class ReadStats:
+    """What a load read from the checkpoint: bytes of the tensors (or tensor slices) its sources returned."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, value) -> None:
+        with self._lock:
+            self.bytes += _nbytes(value)
+
+
 def assemble_model(
     cfg: ModelConfig,
-    tensors: Iterable[tuple[str, Callable[[], np.ndarray | HostQuantized], str]],
+    tensors: Iterable[tuple[str, Callable[..., np.ndarray | HostQuantized], str]],
     *,
     dtype,
     kernels: Kernels,
     mesh: Mesh,
     quantization: QuantPlan | None = None,
+    read_stats: ReadStats | None = None,
 ) -> LlamaForCausalLM:
-    """tensors: (hf_name, load() -> host array or `HostQuantized`, source file for messages). The layers' tensors
-    are read one stacked parameter at a time (all layers of one weight, then the next) into a host array of the
-    stacked shape, placed once it is full: the host holds one stacked parameter and the devices never a second
-    copy. quantization: the weights kept quantized (`jaxllm.loading.quantize`): each tensor of such a weight is
-    converted to its format on the loader threads (a GGUF block repacked, a float tensor made int8); every other
-    tensor arrives as float."""
+    """tensors: (hf_name, load() -> host array or `HostQuantized`, source file for messages); a load with a
+    ``windowed`` attribute takes an optional tuple of slices and reads only that part of its tensor. The layers'
+    tensors are read one stacked parameter at a time (all layers of one weight, then the next) into a host array
+    of the stacked shape, placed once it is full: the host holds one stacked parameter and the devices never a
+    second copy. Over several hosts (a mesh with devices of other processes), each host holds, and where the
+    source allows reads, only the region its own devices hold. quantization: the weights kept quantized
+    (`jaxllm.loading.quantize`): each tensor of such a weight is converted to its format on the loader threads (a
+    GGUF block repacked, a float tensor made int8; read whole: a quantization's blocks and per-row scales span
+    the input axis); every other tensor arrives as float. read_stats: counts the bytes read."""
     plan = dict(quantization or {})
+    stats = read_stats or ReadStats()
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, quantization=plan))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
     rules = logical_rules(cfg, mesh.shape["tp"])
+    shardings = {path: named_sharding(mesh, rules, var.get_metadata()["axes"]) for path, var in variables.items()}
+    regions = {path: local_region(tuple(var.get_value().shape), shardings[path]) for path, var in variables.items()}
+
+    def region_of(path, layer):
+        """The variable's local region without its layer axis (a stacked variable's layers are all local)."""
+        return regions[path][0 if layer is None else 1:]
     entries = []  # (variable path, layer, part, name, load, source, expected shape)
     for name, load, source in tensors:
         mapped = hf_name_to_path(name)
@@ -157,6 +221,12 @@ def assemble_model(
         if fmt is not None:  # the packed values' shape -> the weight's [out, in]
             shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
         expected = shape if part is None else part_shapes(var_path[-2], cfg, shape[1:])[part]
+        window = None
+        if fmt is None and getattr(load, "windowed", False):  # read only what this host's devices hold
+            window = _window(region_of(var_path, layer), shape, expected)
+            if window is not None:
+                expected = _extent(window)
+                load = functools.partial(load, window)
         entries.append((var_path, layer, part, name, load, source, expected))
     entries.sort(key=lambda e: (order[e[0]], -1 if e[1] is None else e[1], e[2] or 0))
 
@@ -165,11 +235,19 @@ def assemble_model(
     stacks: dict[tuple, np.ndarray] = {}  # stacked parameters being filled on the host, [layers, ...]
     filled: dict[tuple, set[int]] = {}  # their layers filled so far
 
+    def local(p, array, layer=None):
+        """`array` (all of a variable's tensor, or already its local region) -> its local region."""
+        region = region_of(p, layer)
+        if tuple(array.shape) == _extent(region):
+            return array
+        return array[tuple(slice(r.start, r.stop) for r in region)]
+
     def put(path, value):
         for p, array in _expand(path, value):
             var = variables[p]
-            sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
-            var.set_value(place(np.ascontiguousarray(array, dtype=var.get_value().dtype), sharding))
+            shape = tuple(var.get_value().shape)
+            host = np.ascontiguousarray(local(p, array), dtype=var.get_value().dtype)
+            var.set_value(place(host, shardings[p], shape, regions[p]))
             loaded.add(p)
 
     def check(name, source, array, expected):
@@ -185,19 +263,23 @@ def assemble_model(
             raise LoadError(f"{'.'.join(map(str, path))}: {e}") from None
 
     def stack_of(path) -> np.ndarray:
-        if path not in stacks:
-            value = variables[path].get_value()
-            stacks[path], filled[path] = np.empty(value.shape, value.dtype), set()
+        if path not in stacks:  # this host's region of every layer
+            stacks[path], filled[path] = np.empty(_extent(regions[path]), variables[path].get_value().dtype), set()
         return stacks[path]
 
     def fill_stack(path, layer, value):
         for p, array in _expand(path, value):
-            stack_of(p)[layer] = array
+            stack_of(p)[layer] = local(p, array, layer)
+
+    def read(load):
+        value = load()
+        stats.add(value)
+        return value
 
     def into_stack(load, path, layer, name, source, expected):
         """On a loader thread: read, check, convert and copy (casting) into the layer's slot; numpy copies
         without the GIL."""
-        array = load()
+        array = read(load)
         check(name, source, array, expected)
         fill_stack(path, layer, prepare(path, array))
 
@@ -207,6 +289,8 @@ def assemble_model(
                 for p in _variables(path, plan.get(_role(path))):
                     stack_of(p)  # allocated here, on this thread, before a loader thread fills a slot
                 load = functools.partial(into_stack, load, path, layer, name, source, expected)
+            else:
+                load = functools.partial(read, load)
             yield name, load, (path, layer, part, source, expected)
 
     def layer_done(path, layer):
