@@ -153,7 +153,8 @@ class LLMEngine:
 
     @property
     def step_channel_stats(self) -> dict:
-        """Multi-host rank 0: steps sent to the followers, their bytes, and the seconds spent sending."""
+        """Multi-host rank 0: steps sent to the followers, their bytes, and the seconds spent encoding and
+        sending them."""
         lead = self._leader
         return {} if lead is None else {"steps": lead.sends, "bytes": lead.sent_bytes, "send_s": lead.send_s}
 

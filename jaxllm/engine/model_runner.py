@@ -293,7 +293,7 @@ class ModelRunner:
         bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))
         inputs, rows = self._inputs(step, bucket)
         if self._leader is not None:
-            self._leader.send(self._codec.encode(bucket, jax.tree.leaves(inputs)))
+            self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
         out = self.run_inputs(bucket, inputs)
         tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
