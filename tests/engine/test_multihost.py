@@ -126,3 +126,36 @@ def test_tensor_parallel_4_over_two_processes_equals_one_device(tp_folder, compi
     for r in read:
         assert 0.45 * total < r < 0.55 * total, (r, total)
     assert total <= sum(read) < 1.05 * total
+
+
+def test_rank_0_dying_ends_the_follower(tp_folder, compile_cache_dir, tmp_path):
+    """No host waits forever for a rank 0 that is gone: the job's runtime ends the follower."""
+    env = multihost_env(tp_folder, compile_cache_dir, coordinator_port(), JAXLLM_HEARTBEAT_TIMEOUT="5")
+    follower = start_follower(env, tmp_path / "rank1.log")
+    die = RANK0.replace("engine.close()", "import os; os.kill(os.getpid(), 9)")
+    try:
+        rank0 = subprocess.run([sys.executable, "-c", die], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert rank0.returncode == -9
+        assert follower.wait(30) != 0
+    finally:
+        follower.kill()
+
+
+def test_step_codec_round_trip():
+    import jax
+
+    from jaxllm.engine.multihost import StepCodec
+
+    constants = {"history/4": jax.device_put(np.full((4, 8), -1, np.int32))}
+    codec = StepCodec(constants)
+    leaves = [np.arange(6, dtype=np.int32).reshape(2, 3), constants["history/4"], np.bool_(True),
+              np.linspace(0, 1, 5, dtype=np.float32), np.zeros((0, 3), np.uint32)]
+    frames = codec.encode((8, 4), leaves)
+    assert len(frames) == 2  # a header and one buffer, whatever the number of arrays
+    bucket, back = StepCodec(constants).decode([bytes(f) for f in frames])
+    assert bucket == (8, 4)
+    assert back[1] is constants["history/4"]
+    for a, b in zip(leaves, back, strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).shape == np.asarray(b).shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
