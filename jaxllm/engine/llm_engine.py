@@ -4,6 +4,7 @@ scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import os
 import random
@@ -72,6 +73,10 @@ class LLMEngine:
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
         self.config = config = config or EngineConfig()
         multihost.initialize(config.num_hosts, config.host_rank, config.coordinator_address)  # before any backend
+        # (Paths and names may differ between hosts; what shapes the compiled steps may not.)
+        shared = dataclasses.replace(config, host_rank=0, model=None, compilation_cache_dir=None,
+                                     served_model_name=None)
+        multihost.check_same_everywhere("engine config", repr((shared, warmup, model is None)).encode())
         enable_compilation_cache(config.compilation_cache_dir)
         start = time.perf_counter()
         # Executables are cached only for models this engine loaded itself: an edited model can differ in ways

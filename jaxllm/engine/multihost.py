@@ -21,6 +21,7 @@ by `StepWatchdog`, which ends the process after `STEP_TIMEOUT_S`: nothing waits 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -61,6 +62,22 @@ def step_address(coordinator_address: str) -> str:
     if not host or not port.isdigit():
         raise ConfigError(f"coordinator_address {coordinator_address!r}: expected host:port")
     return f"tcp://{host}:{int(port) + 1}"
+
+
+def check_same_everywhere(what: str, fingerprint: bytes) -> None:
+    """Raises on every host unless every host passed the same `fingerprint` (a collective: every host calls it at
+    the same point). Hosts started with different settings would compile different steps and wait in each
+    other's collectives forever."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = np.frombuffer(hashlib.sha256(fingerprint).digest(), np.uint8)
+    every = multihost_utils.process_allgather(digest)
+    differ = [rank for rank in range(len(every)) if not np.array_equal(every[rank], digest)]
+    if differ:
+        raise ConfigError(f"hosts {differ} were started with a different {what} than host {jax.process_index()}: "
+                          "start every host with the same settings (only host_rank differs)")
 
 
 def agree_min(value: int) -> int:

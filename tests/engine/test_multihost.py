@@ -159,3 +159,16 @@ def test_step_codec_round_trip():
     for a, b in zip(leaves, back, strict=True):
         assert np.asarray(a).dtype == np.asarray(b).dtype and np.asarray(a).shape == np.asarray(b).shape
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hosts_started_with_different_settings_refuse_to_start(tp_folder, compile_cache_dir, tmp_path):
+    env = multihost_env(tp_folder, compile_cache_dir, coordinator_port())
+    follower = start_follower({**env, "JAXLLM_MAX_NUM_SEQS": "8"}, tmp_path / "rank1.log")
+    try:
+        rank0 = subprocess.run([sys.executable, "-c", RANK0], cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert rank0.returncode != 0 and "different engine config" in rank0.stderr
+        assert follower.wait(60) != 0
+    finally:
+        follower.kill()
+    assert "different engine config" in (tmp_path / "rank1.log").read_text()
