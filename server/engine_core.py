@@ -114,6 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: core.stop(0.0))
     status = core.serve_forever()
     core.close()
+    if status and settings.engine.num_hosts > 1:  # a multi-host job that failed: exit now, not in JAX's exit
+        logging.shutdown()                         # handler, which would wait for hosts that may be gone
+        os._exit(status)
     return status
 
 
