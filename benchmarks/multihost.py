@@ -83,12 +83,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         folder, _ = build_tiny_hf_model("qwen2_tp", Path(d) / "qwen2_tp")
         cache = str(Path(d) / "xla")
+        budget = {"JAXLLM_MAX_NUM_BATCHED_TOKENS": "64"}
         one = engine_env(folder, cache, JAXLLM_TENSOR_PARALLEL_SIZE="4", JAXLLM_PRESET="smollm2-cpu",
-                         XLA_FLAGS="--xla_force_host_platform_device_count=4")
+                         XLA_FLAGS="--xla_force_host_platform_device_count=4", **budget)
         results: dict[str, list[dict]] = {"1 process x 4 devices": [], "2 processes x 2 devices": []}
         for r in range(args.rounds + 1):  # round 0 fills the compilation cache
             a = run(one, args.steps, follower=False)
-            b = run(multihost_env(folder, cache, coordinator_port()), args.steps, follower=True)
+            b = run(multihost_env(folder, cache, coordinator_port(), **budget), args.steps, follower=True)
             if r:
                 results["1 process x 4 devices"].append(a)
                 results["2 processes x 2 devices"].append(b)

@@ -64,7 +64,7 @@ def coordinator_port() -> int:
 def engine_env(folder: Path, cache_dir: str, **extra: str) -> dict[str, str]:
     """The same engine configuration for every process (only the rank differs)."""
     return {**os.environ, "JAXLLM_MODEL": str(folder), "JAXLLM_DTYPE": "float32", "JAXLLM_ATTN_IMPL": "reference",
-            "JAXLLM_MATMUL_IMPL": "reference", "JAXLLM_MAX_NUM_SEQS": "16", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "64",
+            "JAXLLM_MATMUL_IMPL": "reference", "JAXLLM_MAX_NUM_SEQS": "16", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "16",
             "JAXLLM_NUM_PAGES": "512", "JAXLLM_MAX_MODEL_LEN": "256", "JAXLLM_COMPILATION_CACHE_DIR": cache_dir,
             "JAX_PLATFORMS": "cpu", **extra}
 
