@@ -20,6 +20,7 @@ import threading
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -43,7 +44,17 @@ def _step(graphdef, state_def, params, caches, ids, positions, meta, logit_rows,
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     hidden, caches = model.forward_paged(ids, positions, caches, meta)
     logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
-    return caches, sample(logits, sampling)
+    tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
+    return caches, jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+
+
+def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's packed output -> (tokens [S], logprobs [S], top ids [S, k], top logprobs [S, k])."""
+    k = (packed.shape[1] - 2) // 2
+    floats = packed.view(np.float32)
+    return packed[:, 0], floats[:, 1], packed[:, 2:2 + k], floats[:, 2 + k:]
 
 
 @dataclasses.dataclass
@@ -296,7 +307,7 @@ class ModelRunner:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
         out = self.run_inputs(bucket, inputs)
-        tokens, logprobs, top_ids, top_logprobs = jax.device_get(out)
+        tokens, logprobs, top_ids, top_logprobs = unpack(np.asarray(out))
         if self._watchdog is not None:
             self._watchdog.finished()
         n = len(rows)
