@@ -139,15 +139,27 @@ def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group, shared=Fal
         idx = (first, first) if shared else (first, b.lshr(b.add(at, ir.Constant(_I64, 16)), group))
     out = []
     for q, g in zip((q0, q1), idx, strict=True):
-        sc = _scalar_at(b, scale, g, size, half)
         if affine:
-            off = _scalar_at(b, offset, g, size, half)
+            sc, off = _vector_at(b, scale, g, size, half), _vector_at(b, offset, g, size, half)
         elif bits == 4:
-            off = b.fmul(sc, ir.Constant(_F32, -8.0))
+            sc = _vector_at(b, scale, g, size, half)
+            off = b.fmul(sc, ir.Constant(_V, [-8.0] * 16))
         else:
-            off = ir.Constant(_F32, 0.0)
-        out.append(_fma(b, q, _splat(b, sc), _splat(b, off)))
+            sc, off = _vector_at(b, scale, g, size, half), ir.Constant(_V, [0.0] * 16)
+        out.append(_fma(b, q, sc, off))
     return out
+
+
+def _vector_at(b, base, index, size, half):
+    """The scale (or offset) at `index`, in all 16 lanes: a float16 is broadcast, then converted as a vector (a
+    broadcast load and one conversion, not a scalar load, conversion and broadcast)."""
+    if not half:
+        return _splat(b, _scalar_at(b, base, index, size, half))
+    h16 = ir.VectorType(ir.HalfType(), 16)
+    bits = b.bitcast(_load(b, b.add(base, b.mul(index, ir.Constant(_I64, size))), _I16), ir.HalfType())
+    vec = b.insert_element(ir.Constant(h16, None), bits, ir.Constant(ir.IntType(32), 0))
+    splat = b.shuffle_vector(vec, ir.Constant(h16, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
+    return b.fpext(splat, _V)
 
 
 def _scalar_at(b, base, index, size, half):
