@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_hosts", "host_rank", "coordinator_address"):
         if getattr(args, name) is not None:
             os.environ[f"JAXLLM_{name.upper()}"] = str(getattr(args, name))
+    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if int(os.environ.get("JAXLLM_HOST_RANK") or 0) > 0:
         return follow()
     secret = os.environ.get("JAXLLM_ENGINE_SECRET")
@@ -87,8 +89,6 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--data-parallel-size must be >= 1")
     if args.data_parallel_size > 1 and int(os.environ.get("JAXLLM_NUM_HOSTS") or 1) > 1:
         p.error("data parallelism over several hosts' engine cores is not supported yet")
-    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.data_parallel_size > 1 and args.data_parallel_rank is None:  # supervise one process per rank
         from server.core_supervisor import CoreSupervisor
 
@@ -123,8 +123,6 @@ def main(argv: list[str] | None = None) -> int:
 def follow() -> int:
     """A multi-host follower (rank > 0): the same engine start as rank 0 (load this host's shards, warm up the
     same buckets), then run the steps rank 0 sends until it stops. It serves nothing itself."""
-    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jaxllm.engine import multihost
     from jaxllm.engine.llm_engine import LLMEngine
     from server.settings import ServerSettings

@@ -132,8 +132,7 @@ class StepLeader:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a follower gone is an error, not a silent drop
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        host, _, port = address.removeprefix("tcp://").rpartition(":")
-        self.sock.bind(f"tcp://{host}:{port}")
+        self.sock.bind(address)
         self.num_followers = num_followers
         self.followers: list[bytes] = []
         self.sent_bytes = 0
