@@ -1,4 +1,5 @@
-"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)`` and ``.chat(...)``."""
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(...)``, and for a
+model that embeds (``pooling=...``, or a sentence-transformers folder) ``.embed(prompts)``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from tqdm import tqdm
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
@@ -42,13 +44,23 @@ class LLM:
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
+        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm)
+
+    def embed(self, prompts: Prompt | SequenceABC[Prompt],
+              pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """One pooled vector per prompt (``out.outputs.data``), batched and chunked like generation."""
+        return self._submit(prompts, pooling_params or PoolingParams(), PoolingParams, use_tqdm)
+
+    def _submit(self, prompts, params, kind, use_tqdm: bool) -> list:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
-        params = sampling_params or SamplingParams()
-        if isinstance(params, SamplingParams):
+        if isinstance(params, kind):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
-            raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+            raise ValueError(f"{len(params)} {kind.__name__} for {len(prompts)} prompts")
+        if not all(isinstance(p, kind) for p in params):
+            raise TypeError(f"expected {kind.__name__} (or a list of them)")
         # Validate everything before adding anything: a bad prompt or parameter leaves no request behind.
         prepared = []
         for prompt, p in zip(prompts, params, strict=True):
@@ -77,9 +89,9 @@ class LLM:
             for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(request_ids), desc="generating", unit="req", disable=not use_tqdm)
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="processing", unit="req", disable=not use_tqdm)
         while len(finished) < len(request_ids):
             for out in self.engine.step():
                 if out.finished and out.request_id in request_ids:

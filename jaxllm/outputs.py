@@ -1,8 +1,11 @@
-"""What generation returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`."""
+"""What generation returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`, and what pooling returns
+(`PoolingRequestOutput`)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import numpy as np
 
 
 @dataclasses.dataclass
@@ -37,3 +40,22 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when handling this request failed (the other requests went on); the request is then finished.
     error: str | None = None
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    data: np.ndarray  # [dimensions] float32: the pooled (and, if asked, normalized) vector
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What a pooling request returns (vLLM's `PoolingRequestOutput`; `EmbeddingRequestOutput` has the same
+    fields): its vector once its whole prompt has been through the model."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput | None
+    finished: bool
+    error: str | None = None
+    num_cached_tokens: int = 0

@@ -37,6 +37,8 @@ class RequestLimits:
     vocab_size: int
     max_model_len: int
     max_n: int = 16
+    hidden_size: int = 0  # the pooled vector's size (a pooling request's `dimensions` may not exceed it)
+    tasks: tuple[str, ...] = ("generate",)  # what the model serves: "generate", "embed"
 
 
 def _fail(param: str, message: str, value: Any = dataclasses.MISSING):

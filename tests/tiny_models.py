@@ -72,3 +72,32 @@ def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000) -> None:
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE}))
+
+
+ST_POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+                    "cls": "pooling_mode_cls_token"}
+
+
+def add_sentence_transformers_files(folder: Path, pooling: str, normalize: bool = True, max_seq_length: int = 256,
+                                    pad_token: str = "<|endoftext|>") -> None:
+    """Makes a model folder a sentence-transformers model: its modules (Transformer, Pooling, maybe Normalize) and
+    the pooling config jaxllm reads; the tokenizer gets a pad token (sentence-transformers pads batches)."""
+    import json
+
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+        {"word_embedding_dimension": hidden, **{mode: key == pooling for key, mode in ST_POOLING_MODES.items()}}))
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": max_seq_length,
+                                                                  "do_lower_case": False}))
+    config_path = folder / "tokenizer_config.json"
+    if config_path.exists():
+        config = json.loads(config_path.read_text())
+        config["pad_token"] = pad_token
+        config_path.write_text(json.dumps(config))

@@ -13,6 +13,7 @@ from typing import Any
 from jaxllm.config import ConfigError
 from jaxllm.dtypes import KV_CACHE_DTYPES
 from jaxllm.loading.quantize import QUANTIZATIONS
+from jaxllm.pooling_params import POOLING_METHODS
 
 
 def preset_names() -> list[str]:
@@ -59,6 +60,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_n: int = 16  # most choices (n) one request may ask for
+    # Embeddings: how hidden states are pooled (last, mean, cls); None: as a sentence-transformers folder says
+    # (modules.json), else the model does not embed. normalize_embeddings: the default of a request's `normalize`.
+    pooling: str | None = None
+    normalize_embeddings: bool = True
     # Compilation
     compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
     seed: int = 0
@@ -86,6 +91,7 @@ class EngineConfig:
              "the largest token bucket must hold max_num_batched_tokens"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
+            (self.pooling in (None, *POOLING_METHODS), f"pooling must be one of {', '.join(POOLING_METHODS)}"),
         ]
         for ok, message in checks:
             if not ok:

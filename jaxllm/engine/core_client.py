@@ -58,7 +58,9 @@ class EngineCoreClient:
         self.info, self.stats = info, info.get("stats", {})
         load = tokenizer_loader or _load_tokenizer
         self.engine = Frontend(load(info), RequestLimits(vocab_size=info["vocab_size"],
-                                                         max_model_len=info["max_model_len"], max_n=info["max_n"]),
+                                                         max_model_len=info["max_model_len"], max_n=info["max_n"],
+                                                         hidden_size=info["hidden_size"],
+                                                         tasks=tuple(info["tasks"])),
                                tuple(info["eos_token_ids"]), info["model_name"])
         self._start_reader()
 

@@ -12,6 +12,7 @@ import functools
 
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.pooling_params import GENERATE, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
@@ -36,12 +37,19 @@ class Frontend:
     def max_model_len(self) -> int:
         return self.limits.max_model_len
 
-    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                        cache_salt: str | None = None) -> tuple[str | None, list[int]]:
-        """Tokenizes and validates a prompt, the sampling parameters against it and the model's limits, and the
-        cache salt (the one validation every entry point goes through); safe to call from any thread. Raises
-        InvalidRequestError naming the parameter."""
+        """Tokenizes and validates a prompt, the sampling (or pooling) parameters against it and the model's
+        limits, and the cache salt (the one validation every entry point goes through); safe to call from any
+        thread. Raises InvalidRequestError naming the parameter. A pooling request's prompt may fill the whole
+        context (nothing is generated after it); with `truncate_prompt_tokens` only its last tokens are kept."""
         check_cache_salt(cache_salt)
+        pooling = isinstance(params, PoolingParams)
+        if pooling:
+            params.verify(self.limits, 0)
+        elif GENERATE not in self.limits.tasks:
+            raise InvalidRequestError(f"this model does not generate text (it supports: "
+                                      f"{', '.join(self.limits.tasks)})", "model")
         vocab = self.limits.vocab_size
         if isinstance(prompt, str):
             check_text("prompt", prompt)
@@ -49,7 +57,7 @@ class Frontend:
                 raise InvalidRequestError("prompt must contain text other than whitespace", "prompt")
             if self.tokenizer is None:
                 raise InvalidRequestError("this engine has no tokenizer: pass prompt token ids", "prompt")
-            self.check_text_fits(prompt)
+            self.check_text_fits(prompt)  # bounds the tokenizer's work, truncated or not
             text, ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, list | tuple):
             text, ids = None, [check_int("prompt", i, 0, vocab - 1) for i in prompt]
@@ -58,6 +66,17 @@ class Frontend:
                                       "prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        if pooling:
+            if params.truncate_prompt_tokens is not None:
+                if params.truncate_prompt_tokens > self.max_model_len:
+                    raise InvalidRequestError(f"truncate_prompt_tokens must be at most this model's maximum context "
+                                              f"length {self.max_model_len}", "truncate_prompt_tokens")
+                ids = ids[-params.truncate_prompt_tokens:]
+            elif len(ids) > self.max_model_len:
+                raise PromptTooLongError(f"the input has {len(ids)} tokens; this model's maximum context length is "
+                                         f"{self.max_model_len} tokens (set truncate_prompt_tokens to keep only the "
+                                         "last ones)")
+            return text, ids
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                                      f"{self.max_model_len} tokens, including at least one generated token")

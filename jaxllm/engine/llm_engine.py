@@ -31,7 +31,8 @@ from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.kernels import CPU_CACHE_DTYPES
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import EMBED, GENERATE, PooledState, Pooling, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer.tokenizer import Tokenizer
@@ -103,12 +104,17 @@ class LLMEngine:
         self.model_name = config.served_model_name or name
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
+        # Embedding: with the pooling the config names, else the one a sentence-transformers folder declares.
+        self.pooling = Pooling(config.pooling, config.normalize_embeddings) if config.pooling else \
+            (loaded.pooling if loaded is not None else None)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
-        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n)
+        tasks = (GENERATE,) + ((EMBED,) if self.pooling is not None else ())
+        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n,
+                                    hidden_size=cfg.hidden_size, tasks=tasks)
         self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
@@ -191,8 +197,9 @@ class LLMEngine:
     def grammars(self) -> GrammarCompiler:
         return self.frontend.grammars
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    on_output: Callable[[RequestOutput], None] | None = None, *,
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | PoolingParams | None = None,
+                    on_output: Callable[[RequestOutput | PoolingRequestOutput], None] | None = None, *,
                     prepared: tuple[str | None, list[int]] | None = None, cache_salt: str | None = None) -> Request:
         """prompt: text or token ids; prepared: the result of prepare_prompt (which also checked cache_salt), when
         already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant)."""
@@ -200,9 +207,14 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         text, ids = prepared or self.prepare_prompt(prompt, params, cache_salt)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(64)
+        seed = getattr(params, "seed", None)
+        seed = seed if seed is not None else self._rng.getrandbits(64)
         request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt)
-        for i in range(params.n):
+        if isinstance(params, PoolingParams):  # validated by prepare_prompt: this engine pools
+            seq = Sequence(request, 0, None)
+            seq.pooled = PooledState(self.pooling)
+            request.seqs.append(seq)
+        for i in range(params.n if isinstance(params, SamplingParams) else 0):
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop,
                 include_stop_str_in_output=params.include_stop_str_in_output)
@@ -244,10 +256,17 @@ class LLMEngine:
         if not step:
             return []
         result = self.runner.execute(step)
-        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+        pooled: list[Request] = []
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens, strict=True)):
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             self.block_manager.cache_full_pages(seq)
-        touched = self._append_tokens(result)
+            if seq.pooled is not None:
+                seq.pooled.add_chunk(start, *result.pooled[i])
+                if seq.num_computed_tokens == seq.num_tokens:  # pooled: its pages are freed now
+                    self._finish(seq, "stop", None)
+                    pooled.append(seq.request)
+        touched = self._append_tokens(result) + pooled
         return [out for request in touched if (out := self._emit(request)) is not None]
 
     def _append_tokens(self, result: StepResult) -> list[Request]:
@@ -308,17 +327,12 @@ class LLMEngine:
         seq.finish_reason, seq.stop_reason = reason, stop_reason
         self.scheduler.finish(seq)
 
-    def _emit(self, request: Request) -> RequestOutput | None:
+    def _emit(self, request: Request) -> RequestOutput | PoolingRequestOutput | None:
         """Builds the request's output and hands it to its callback. If either raises, the request ends (its
         pages freed) and the step goes on for everyone else; None is returned for it."""
         try:
-            outputs = [CompletionOutput(
-                index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
-            out = RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                                request.finished, num_cached_tokens=request.seqs[0].num_cached_tokens,
-                                error=request.error)
+            out = self._pooling_output(request) if isinstance(request.params, PoolingParams) else \
+                self._generation_output(request)
             if out.finished:
                 self.requests.pop(request.request_id, None)
             if request.on_output:
@@ -329,6 +343,22 @@ class LLMEngine:
                 self._fail_request(request, e)
             self.requests.pop(request.request_id, None)
             return None
+
+    def _pooling_output(self, request: Request) -> PoolingRequestOutput:
+        seq = request.seqs[0]
+        done = seq.finish_reason == "stop"
+        data = PoolingOutput(seq.pooled.result(seq.num_tokens, request.params)) if done else None
+        return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, data,
+                                    request.finished, error=request.error, num_cached_tokens=seq.num_cached_tokens)
+
+    @staticmethod
+    def _generation_output(request: Request) -> RequestOutput:
+        outputs = [CompletionOutput(
+            index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
+            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
+            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
+                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error)
 
     def stats(self) -> dict:
         """Read on the engine's own thread; other threads read `EngineLoop.stats`."""

@@ -47,7 +47,22 @@ def _step(graphdef, state_def, params, caches, ids, positions, meta, logit_rows,
     tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
     # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
-    return caches, jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+    packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+    return caches, packed, _pool_chunks(hidden, meta.query_start_loc)
+
+
+def _pool_chunks(hidden: jax.Array, qsl: jax.Array) -> jax.Array:
+    """hidden [T, E], query_start_loc [S + 1] -> [S, 3, E] float32: each sequence's first, last and summed hidden
+    state in this step (what pooling needs from a prefill chunk; the host combines chunks). Read back only in a
+    step that has pooling requests."""
+    t, s = hidden.shape[0], qsl.shape[0] - 1
+    h = hidden.astype(jnp.float32)
+    seq_of_token = jnp.searchsorted(qsl, jnp.arange(t, dtype=qsl.dtype), side="right",
+                                    method="compare_all") - 1  # padding tokens: s
+    total = jax.ops.segment_sum(h, seq_of_token, num_segments=s)  # ids >= s (padding tokens) are dropped
+    first = h[jnp.clip(qsl[:-1], 0, t - 1)]
+    last = h[jnp.clip(qsl[1:] - 1, 0, t - 1)]
+    return jnp.stack([first, last, total], axis=1)
 
 
 def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -84,6 +99,7 @@ class StepResult:
     logprobs: np.ndarray  # [n]
     top_ids: np.ndarray  # [n, 20]
     top_logprobs: np.ndarray  # [n, 20]
+    pooled: np.ndarray | None = None  # [len(step.seqs), 3, E]: first, last, summed hidden state (pooling steps)
 
 
 class ModelRunner:
@@ -306,22 +322,23 @@ class ModelRunner:
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
-        out = self.run_inputs(bucket, inputs)
+        out, pooled = self.run_inputs(bucket, inputs)
         tokens, logprobs, top_ids, top_logprobs = unpack(np.asarray(out))
+        pooled = np.asarray(pooled)[:len(step.seqs)] if any(q.pooled is not None for q in step.seqs) else None
         if self._watchdog is not None:
             self._watchdog.finished()
         n = len(rows)
-        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n])
+        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n], pooled)
 
-    def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False):
+    def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False) -> list[jax.Array]:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the
-        sampler's outputs (device arrays; `wait`: once computed)."""
+        sampler's packed outputs and the pooling outputs (device arrays; `wait`: once computed)."""
         run = self._executables.get(bucket)
         if run is None:
             start = time.perf_counter()
             run = self.build(bucket)
             self.build_wait_s += time.perf_counter() - start
-        self._caches, out = run(self.params, self.caches, *inputs)
+        self._caches, *out = run(self.params, self.caches, *inputs)
         if wait or bucket in self._unsaved:  # a fresh executable is saved once its first run completed
             jax.block_until_ready(out)
         if self._unsaved:
@@ -348,7 +365,7 @@ class ModelRunner:
             ids[at:at + n] = seq.token_ids[start:start + n]
             positions[at:at + n] = np.arange(start, start + n)
             at += n
-            if start + n == seq.num_tokens:  # the chunk reaches the end of what is known: sample a token
+            if start + n == seq.num_tokens and seq.pooled is None:  # the chunk reaches the end: sample a token
                 logit_rows[len(rows)] = at - 1
                 rows.append(seq)
         meta = AttentionMetadata.build(

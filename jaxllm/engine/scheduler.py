@@ -90,7 +90,9 @@ class Scheduler:
             if not self._ready(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            cached = self.bm.cached_prefix(seq)
+            # Mean and CLS pooling read every token's hidden state: a prefix-cache hit would skip some.
+            every_token = seq.pooled is not None and seq.pooled.pooling.needs_every_token
+            cached = [] if every_token else self.bm.cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)
             if self.bm.pages_needed(start + n) - len(cached) > self.bm.num_free_pages - sum(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.outputs import Logprob
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -21,7 +22,7 @@ _seq_ids = itertools.count()
 
 
 class Sequence:
-    def __init__(self, request: Request, index: int, detokenizer: IncrementalDetokenizer):
+    def __init__(self, request: Request, index: int, detokenizer: IncrementalDetokenizer | None):
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index  # choice index within the request
@@ -39,9 +40,10 @@ class Sequence:
         self.detokenizer = detokenizer
         self.num_preemptions = 0
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence: advanced by each token it gets
+        self.pooled = None  # a pooling request's PooledState: it is prefilled, pooled, and never decodes
 
     @property
-    def params(self) -> SamplingParams:
+    def params(self) -> SamplingParams | PoolingParams:
         return self.request.params
 
     @property
@@ -66,7 +68,8 @@ class Sequence:
 
 
 class Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams | PoolingParams,
                  seed: int, on_output: Callable | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt

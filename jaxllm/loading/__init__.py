@@ -24,6 +24,7 @@ from jaxllm.loading.hf import hf_tensors, load_hf_config
 from jaxllm.loading.quantize import QUANTIZATIONS, int8_plan, plan_label
 from jaxllm.loading.weights import ReadStats, assemble_model
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.pooling_params import Pooling
 from jaxllm.sharding import check_tensor_parallel, make_mesh
 from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from jaxllm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
@@ -42,6 +43,7 @@ class LoadedModel:
     mesh: Mesh
     name: str
     bytes_read: int = 0  # of the checkpoint, by this process (over several hosts: its devices' share)
+    pooling: Pooling | None = None  # a sentence-transformers folder's pooling (the model then embeds)
 
 
 def _resolve(path: str | Path | None) -> Path:
@@ -139,4 +141,9 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     _release_host_memory()
     logger.info("loaded %s: weights %s, %.1f MB resident (all devices); this process read %d bytes of the "
                 "checkpoint", name, plan_label(model.quant_plan), weight_bytes(model) / 1e6, read.bytes)
-    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name, bytes_read=read.bytes)
+    try:
+        pooling = Pooling.from_sentence_transformers(p) if p.is_dir() else None
+    except (OSError, ValueError) as e:
+        raise LoadError(f"{p}: {e}") from None
+    return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name, bytes_read=read.bytes,
+                       pooling=pooling)
