@@ -17,7 +17,7 @@ from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
-from server import admin_routes, openai_routes
+from server import admin_routes, openai_routes, pooling_routes
 from server.errors import APIError, error_response
 from server.generation import ClientGone
 from server.metrics import ServerMetrics
@@ -58,6 +58,7 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, engine.model_name))
     app.extensions["jaxllm"] = st
     app.register_blueprint(openai_routes.bp)
+    app.register_blueprint(pooling_routes.bp)
     app.register_blueprint(admin_routes.bp)
     if settings.allowed_origins:
         from flask_cors import CORS

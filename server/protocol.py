@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import (
     MAX_INT,
     MAX_LOGIT_BIAS,
@@ -356,3 +357,53 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: Name | None = None
     tokens: list[TokenId]
+
+
+MAX_EMBEDDING_INPUTS = 2048  # OpenAI's limit on inputs per embeddings request
+
+
+class EmbeddingRequest(_Model):
+    """POST /v1/embeddings (and /pooling): OpenAI's fields, then vLLM's extras."""
+
+    input: (str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+            | Annotated[list[TokenId], Field(min_length=1)]
+            | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)])
+    model: Name | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Count | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    truncate_prompt_tokens: Count | None = None
+    normalize: bool | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_input_shape(cls, data):
+        """One clear message for a malformed input, rather than one per member of its union."""
+        x = data.get("input") if isinstance(data, dict) else None
+        if isinstance(x, list):
+            if not x:
+                raise ValueError("input: must not be empty")
+            if len(x) > MAX_EMBEDDING_INPUTS and not all(isinstance(t, int) for t in x):
+                raise ValueError(f"input: at most {MAX_EMBEDDING_INPUTS} inputs per request, got {len(x)}")
+
+            def token_ids(v):
+                return isinstance(v, list) and bool(v) and all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v)
+
+            if not (all(isinstance(v, str) for v in x) or token_ids(x) or all(token_ids(v) for v in x)):
+                raise ValueError("input: must be a string, a list of strings, a list of token ids (non-negative "
+                                 "integers) or a list of such lists, not a mix")
+        return data
+
+    def inputs(self) -> list[str | list[int]]:
+        x = self.input
+        if isinstance(x, str):
+            return [x]
+        if isinstance(x[0], int):
+            return [list(x)]
+        return list(x)
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(normalize=self.normalize, dimensions=self.dimensions,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)

@@ -28,12 +28,20 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
 
+
+def _flag(value: str) -> bool:
+    if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
+        raise ValueError(f"expected true or false, got {value!r}")
+    return value.lower() in ("1", "true", "yes")
+
+
 _ENGINE_ENV = {
     "model": str, "served_model_name": str, "max_model_len": int, "num_pages": int, "kv_memory_fraction": float,
     "kv_cache_dtype": str, "tensor_parallel_size": int, "max_num_seqs": int, "max_num_batched_tokens": int,
     "max_waiting_requests": int,
     "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
+    "pooling": str, "normalize_embeddings": _flag,
 }
 
 

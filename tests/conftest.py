@@ -26,6 +26,26 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_embedding_dir(tmp_path_factory):
+    """pooling ("last", "mean", "cls") -> a tiny random Qwen3 saved as a sentence-transformers model (its pooling
+    config, a Normalize module, a tiny tokenizer with a pad token), like Qwen3-Embedding."""
+    from tests.tiny_models import add_sentence_transformers_files, add_tiny_tokenizer
+
+    cache: dict[str, object] = {}
+
+    def get(pooling: str):
+        if pooling not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny_embedding_{pooling}")
+            build_tiny_hf_model("qwen3", folder)
+            add_tiny_tokenizer(folder)
+            add_sentence_transformers_files(folder, pooling)
+            cache[pooling] = folder
+        return cache[pooling]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     from jaxllm.loading.embedded import embedded_model_path
 

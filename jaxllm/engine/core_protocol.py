@@ -6,9 +6,9 @@ client -> core                                   core -> client
   ["hello"]                                        ["challenge", nonce]
   ["auth", hmac_sha256(secret, nonce)]             ["ready", info] | ["refused", reason]
   ["add", id, text, ids, params, cache_salt]       ["outs", [item, ...]]  (one engine step's, for this client)
-  ["abort", id]                                      item: ["out", id, delta]   (see OutputDeltas)
+    (params: SamplingParams, or PoolingParams)       item: ["out", id, delta]   (see OutputDeltas)
                                                          | ["fail", id, kind, message]  (invalid | dead | error)
-                                                   ["fail", id, kind, message]  (an add refused at once;
+  ["abort", id]                                    ["fail", id, kind, message]  (an add refused at once;
                                                                                  kind full: at capacity)
                                                    ["stats", stats]       (also the core's heartbeat)
 
@@ -26,8 +26,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 _encoder = msgspec.msgpack.Encoder()
@@ -58,8 +60,10 @@ def verify(secret: str, nonce: bytes, proof: Any) -> bool:
     return isinstance(proof, bytes) and hmac.compare_digest(prove(secret, nonce), proof)
 
 
-def params_from_wire(value: Any) -> SamplingParams:
-    return msgspec.convert(value, SamplingParams, strict=False)
+def params_from_wire(value: Any) -> SamplingParams | PoolingParams:
+    """A request's params as encoded from either dataclass (only PoolingParams has a `task`)."""
+    kind = PoolingParams if isinstance(value, dict) and "task" in value else SamplingParams
+    return msgspec.convert(value, kind, strict=False)
 
 
 @dataclasses.dataclass
@@ -75,7 +79,10 @@ class OutputDeltas:
     def __init__(self):
         self._sent: dict[int, _Sent] = {}
 
-    def delta(self, out: RequestOutput) -> list:
+    def delta(self, out: RequestOutput | PoolingRequestOutput) -> list:
+        if isinstance(out, PoolingRequestOutput):  # sent once, finished: its vector as float32 bytes
+            data = None if out.outputs is None else np.asarray(out.outputs.data, np.float32).tobytes()
+            return [out.finished, out.num_cached_tokens, out.error, None, data]
         choices = []
         for c in out.outputs:
             sent = self._sent.setdefault(c.index, _Sent())
@@ -99,7 +106,14 @@ class OutputAssembler:
         self.request_id, self.prompt, self.prompt_ids, self.on_output = request_id, prompt, prompt_ids, on_output
         self._choices: dict[int, CompletionOutput] = {}
 
-    def apply(self, delta: list) -> RequestOutput:
+    def apply(self, delta: list) -> RequestOutput | PoolingRequestOutput:
+        if len(delta) == 5:  # a pooling request's
+            finished, num_cached, error, _, data = delta
+            pooled = None if data is None else PoolingOutput(np.frombuffer(data, np.float32).copy())
+            out = PoolingRequestOutput(self.request_id, self.prompt, self.prompt_ids, pooled, bool(finished),
+                                       error=error, num_cached_tokens=int(num_cached))
+            self.on_output(out)
+            return out
         finished, num_cached, error, choices = delta
         for index, keep, text, ids, logprobs, cumulative, finish_reason, stop_reason in choices:
             old = self._choices.get(index)

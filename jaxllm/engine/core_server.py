@@ -227,7 +227,7 @@ class EngineCoreServer:
                 if len(self.engine.requests) + len(self._compiling) >= self.capacity:  # several API servers: none
                     raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")  # sees all
                 params = proto.params_from_wire(params)
-                spec = params.structured_outputs
+                spec = getattr(params, "structured_outputs", None)
                 if spec is not None and not self.engine.grammars.is_compiled(spec):  # compiling takes a while:
                     self._compiling.add(core_id)  # not on the thread that steps every other request
                     self.owned[client].add(core_id)

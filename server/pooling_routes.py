@@ -1,0 +1,79 @@
+"""POST /v1/embeddings (OpenAI's shape) and POST /pooling (vLLM's): one pooled vector per input, from a model that
+embeds (``pooling=...`` or a sentence-transformers folder). A model that does not answers 400 saying so."""
+
+from __future__ import annotations
+
+import base64
+import logging
+import time
+
+import numpy as np
+from flask import Blueprint, current_app, g, jsonify, request
+
+from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.outputs import PoolingRequestOutput
+from jaxllm.pooling_params import EMBED, PoolingParams
+from server.bridge import offload
+from server.disconnect import client_gone
+from server.errors import APIError
+from server.generation import Generation
+from server.parsing import invalid, parse
+from server.protocol import EmbeddingRequest
+from server.state import ServerState
+
+bp = Blueprint("pooling", __name__)
+access_log = logging.getLogger("jaxllm.access")
+
+
+def state() -> ServerState:
+    return current_app.extensions["jaxllm"]
+
+
+def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str | None) -> list[PoolingRequestOutput]:
+    """Validates and tokenizes the inputs (off the hub thread), pools them on the engine, waits for every vector."""
+    st = state()
+    if EMBED not in st.engine.limits.tasks:
+        raise APIError(400, f"the model '{st.model_name}' does not produce embeddings (it supports: "
+                       f"{', '.join(st.engine.limits.tasks)}); serve an embedding model, or set pooling",
+                       param="model")
+    try:
+        prepared = [offload(len(x) if isinstance(x, str) else 0, st.engine.prepare_prompt, x, params, cache_salt)
+                    for x in inputs]
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="input", code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+    environ = request.environ
+    gen = Generation(st, prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+    outs = gen.wait()
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    access_log.info('%s "%s %s" 200 request_id=%s prompt_tokens=%d latency=%.3fs', request.remote_addr,
+                    request.method, request.path, g.request_id, prompt_tokens, time.monotonic() - gen.start)
+    return outs
+
+
+def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":  # little-endian float32, as OpenAI's client decodes it
+        return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+def _respond(req: EmbeddingRequest, obj: str, id_prefix: str):
+    outs = pool(req.inputs(), req.pooling_params(), req.cache_salt)
+    tokens = sum(len(o.prompt_token_ids) for o in outs)
+    key = "embedding" if obj == "embedding" else "data"
+    data = [{"index": i, "object": obj, key: _encode(o.outputs.data, req.encoding_format)}
+            for i, o in enumerate(outs)]
+    return jsonify({"id": f"{id_prefix}-{g.request_id}", "object": "list", "created": int(time.time()),
+                    "model": state().model_name, "data": data,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+@bp.post("/v1/embeddings")
+def embeddings():
+    return _respond(parse(EmbeddingRequest), "embedding", "embd")
+
+
+@bp.post("/pooling")
+def pooling():
+    return _respond(parse(EmbeddingRequest), "pooling", "pool")
