@@ -2,8 +2,10 @@
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.llm import LLM
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
+           "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"

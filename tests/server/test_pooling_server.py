@@ -1,0 +1,105 @@
+"""/v1/embeddings and /pooling on real gunicorn, in both serve modes, with the real `openai` client: the vectors
+`LLM.embed` computes, in OpenAI's shapes (float and base64), and OpenAI-style errors for bad input."""
+
+import base64
+
+import numpy as np
+import pytest
+import requests
+
+from jaxllm import PoolingParams
+from tests.server.conftest import API_KEY, SERVE_MODES, Server, tiny_engine_env
+from tests.tiny_models import TOKENIZER_CORPUS
+
+TEXTS = [TOKENIZER_CORPUS[0], TOKENIZER_CORPUS[1] * 3, TOKENIZER_CORPUS[4] * 2]
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_embedding_dir):
+    return tiny_embedding_dir("last")
+
+
+@pytest.fixture(scope="module", params=SERVE_MODES)
+def embed_server(request, folder, compile_cache_dir, tmp_path_factory):
+    env = {"JAXLLM_API_KEY": API_KEY, **({"JAXLLM_API_SERVERS": "2"} if request.param != "in-process" else {})}
+    srv = Server(env, tmp_path_factory.mktemp("embed_server") / "server.log",
+                 engine_env=tiny_engine_env(folder, compile_cache_dir))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(folder, compile_cache_dir):
+    """`LLM.embed` with the server's engine settings (its preset and environment)."""
+    import dataclasses
+
+    from jaxllm import LLM
+    from server.settings import ServerSettings
+
+    config = ServerSettings.from_env(tiny_engine_env(folder, compile_cache_dir)).engine
+    return LLM(config.model, **{k: v for k, v in dataclasses.asdict(config).items() if k != "model"})
+
+
+def test_openai_client_gets_the_vectors_llm_embed_computes(embed_server, offline):
+    import openai
+
+    client = openai.OpenAI(base_url=embed_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    want = np.stack([o.outputs.data for o in offline.embed(TEXTS, use_tqdm=False)])
+    floats = client.embeddings.create(model=offline.engine.model_name, input=TEXTS, encoding_format="float")
+    assert [d.index for d in floats.data] == [0, 1, 2] and floats.object == "list"
+    np.testing.assert_allclose(np.array([d.embedding for d in floats.data]), want, atol=1e-6)
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens == sum(
+        len(offline.get_tokenizer().encode(t)) for t in TEXTS)
+    model = offline.engine.model_name
+    encoded = client.embeddings.create(model=model, input=TEXTS, encoding_format="base64")
+    vectors = np.stack([np.frombuffer(base64.b64decode(d.embedding), "<f4") for d in encoded.data])
+    np.testing.assert_allclose(vectors, want, atol=1e-6)
+    # The client's default: it asks for base64 and decodes it itself.
+    default = client.embeddings.create(model=model, input=TEXTS[0], dimensions=8)
+    short = offline.embed(TEXTS[0], PoolingParams(dimensions=8), use_tqdm=False)[0]
+    np.testing.assert_allclose(default.data[0].embedding, short.outputs.data, atol=1e-6)
+    ids = offline.get_tokenizer().encode(TEXTS[1])
+    by_ids = client.embeddings.create(model=model, input=[ids, ids[:5]])
+    np.testing.assert_allclose(by_ids.data[0].embedding, want[1], atol=1e-6)
+
+
+def test_pooling_route(embed_server, offline):
+    r = requests.post(embed_server.url + "/pooling", headers=HEADERS, json={"input": TEXTS[:2]}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    want = [o.outputs.data for o in offline.embed(TEXTS[:2], use_tqdm=False)]
+    for d, w in zip(body["data"], want, strict=True):
+        np.testing.assert_allclose(d["data"], w, atol=1e-6)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": ["a text", 17]}, "input"),
+    ({"input": [[1, 2], "a text"]}, "input"),
+    ({"input": ["x"] * 2049}, "input"),
+    ({"input": "a text", "dimensions": 65}, "dimensions"),
+    ({"input": "a text", "dimensions": 0}, "dimensions"),
+    ({"input": "a text", "encoding_format": "int8"}, "encoding_format"),
+    ({"input": [[5000]]}, "prompt"),
+    ({"input": "a text " * 600}, "input"),
+])
+def test_bad_input_gets_an_openai_error(embed_server, body, param):
+    r = requests.post(embed_server.url + "/v1/embeddings", headers=HEADERS, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+
+
+def test_the_routes_need_the_api_key(embed_server):
+    for path in ("/v1/embeddings", "/pooling"):
+        r = requests.post(embed_server.url + path, json={"input": "a text"}, timeout=30)
+        assert r.status_code == 401
+
+
+def test_a_generation_model_refuses_to_embed(server):
+    r = requests.post(server.url + "/v1/embeddings", headers=HEADERS, json={"input": "a text"}, timeout=60)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "does not produce embeddings" in error["message"] and error["param"] == "model"
