@@ -10,7 +10,13 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.json_schema import models_json_schema
 
 import jaxllm
-from server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    EmbeddingRequest,
+    TokenizeRequest,
+)
 
 
 class _Response(BaseModel):
@@ -97,6 +103,36 @@ class DetokenizeResponse(_Response):
     prompt: str
 
 
+class Embedding(_Response):
+    index: int
+    object: Literal["embedding"]
+    embedding: list[float] | str  # floats, or base64 of little-endian float32 (encoding_format)
+
+
+class PoolingData(_Response):
+    index: int
+    object: Literal["pooling"]
+    data: list[float] | str
+
+
+class PoolingUsage(_Response):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: PoolingUsage
+
+
+class PoolingList(EmbeddingList):
+    data: list[PoolingData]
+
+
 class Health(_Response):
     status: str
 
@@ -105,9 +141,9 @@ class Version(_Response):
     version: str
 
 
-REQUESTS = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest]
-RESPONSES = [ErrorResponse, Completion, ChatCompletion, ModelList, TokenizeResponse, DetokenizeResponse, Health,
-             Version]
+REQUESTS = [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest]
+RESPONSES = [ErrorResponse, Completion, ChatCompletion, EmbeddingList, PoolingList, ModelList, TokenizeResponse,
+             DetokenizeResponse, Health, Version]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
           429: "Request queue full", 500: "The request failed", 503: "The engine is not running"}
 
@@ -163,6 +199,10 @@ def openapi_document() -> dict:
         "paths": {
             "/v1/chat/completions": _generate(ChatCompletionRequest, ChatCompletion, "Chat completion"),
             "/v1/completions": _generate(CompletionRequest, Completion, "Text completion"),
+            "/v1/embeddings": _simple("post", EmbeddingList, "Embeddings (a model that embeds; others answer 400)",
+                                      request=EmbeddingRequest, secured=True, errors=(400, 404, 413, 429, 500, 503)),
+            "/pooling": _simple("post", PoolingList, "Pooled hidden states (vLLM's /pooling)", request=EmbeddingRequest,
+                                secured=True, errors=(400, 404, 413, 429, 500, 503)),
             "/v1/models": _simple("get", ModelList, "The served model", secured=True),
             "/tokenize": _simple("post", TokenizeResponse, "Token ids of a prompt or chat", request=TokenizeRequest,
                                  secured=True, errors=(400, 404, 413)),
