@@ -19,7 +19,8 @@ from jaxllm.errors import InvalidRequestError
 from jaxllm.sampling_params import MAX_INT, RequestLimits, check_int
 
 POOLING_METHODS = ("last", "mean", "cls")
-EMBED, GENERATE = "embed", "generate"
+EMBED, GENERATE, CLASSIFY = "embed", "generate", "classify"
+POOLING_TASKS = (EMBED, CLASSIFY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +68,11 @@ class Pooling:
 
 @dataclasses.dataclass(frozen=True)
 class PoolingParams:
-    """A pooling request's options. normalize: None for the model's own; dimensions: keep the first this many
-    values (Matryoshka), normalized after truncation as sentence-transformers does; truncate_prompt_tokens: keep
-    only the last this many prompt tokens (otherwise a prompt longer than the context is refused)."""
+    """A pooling request's options. task: "embed" (the pooled vector) or "classify" (a cross-encoder's head on
+    it: its label scores, a sigmoid for one label, else softmax). normalize: None for the model's own;
+    dimensions: keep the first this many values (Matryoshka), normalized after truncation as vLLM and OpenAI do;
+    truncate_prompt_tokens: keep only the last this many prompt tokens (otherwise a prompt longer than the context is
+    refused)."""
 
     task: str = EMBED
     normalize: bool | None = None
@@ -77,8 +80,10 @@ class PoolingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.task != EMBED:
-            raise InvalidRequestError(f"task must be {EMBED!r}, got {self.task!r}", "task")
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError(f"task must be one of {POOLING_TASKS}, got {self.task!r}", "task")
+        if self.task == CLASSIFY and self.dimensions is not None:
+            raise InvalidRequestError("dimensions applies to embeddings, not to classification", "dimensions")
         if self.normalize not in (None, True, False):
             raise InvalidRequestError(f"normalize must be true or false, got {self.normalize!r}", "normalize")
         if self.dimensions is not None:
@@ -104,21 +109,30 @@ class PooledState:
     """One sequence's pooling across its prefill chunks (host side): each step hands in the chunk's first, last and
     summed hidden states; `result` gives the pooled vector once the last chunk is in."""
 
-    def __init__(self, pooling: Pooling):
+    def __init__(self, pooling: Pooling | None):
         self.pooling = pooling
         self.first: np.ndarray | None = None
         self.total: np.ndarray | None = None
         self.last: np.ndarray | None = None
+        self.classified: np.ndarray | None = None
 
-    def add_chunk(self, start: int, first: np.ndarray, last: np.ndarray, total: np.ndarray) -> None:
-        """start: the chunk's first position (0 starts over: a preempted sequence is recomputed)."""
+    def add_chunk(self, start: int, first: np.ndarray, last: np.ndarray, total: np.ndarray,
+                  classified: np.ndarray) -> None:
+        """start: the chunk's first position (0 starts over: a preempted sequence is recomputed); classified: the
+        model's head on `first` (a model without one: empty)."""
         if start == 0 or self.total is None:
-            self.first, self.total = first, total.astype(np.float64)
+            self.first, self.total, self.classified = first, total.astype(np.float64), classified
         else:
             self.total = self.total + total
         self.last = last
 
     def result(self, num_tokens: int, params: PoolingParams) -> np.ndarray:
+        if params.task == CLASSIFY:
+            logits = self.classified.astype(np.float64)
+            if logits.shape[0] == 1:
+                return (1 / (1 + np.exp(-logits))).astype(np.float32)
+            e = np.exp(logits - logits.max())
+            return (e / e.sum()).astype(np.float32)
         method = self.pooling.method
         v = self.last if method == "last" else self.first if method == "cls" else self.total / num_tokens
         v = np.asarray(v, np.float32)

@@ -101,3 +101,64 @@ def add_sentence_transformers_files(folder: Path, pooling: str, normalize: bool 
         config = json.loads(config_path.read_text())
         config["pad_token"] = pad_token
         config_path.write_text(json.dumps(config))
+
+
+ENCODER_COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, max_position_embeddings=160)
+
+
+def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = False):
+    """A tiny random BERT or XLM-RoBERTa (with a sequence-classification head: a cross-encoder) and a WordPiece
+    tokenizer whose template adds [CLS]/[SEP] (pairs: [CLS] a [SEP] b [SEP], token types 0 then 1), saved as
+    sentence-transformers and transformers load it. Returns (folder, hf_model)."""
+    import json
+
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] if family == "bert" else \
+        ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+    cls_tok, sep_tok, pad_tok, unk_tok = (special[2], special[3], special[0], special[1]) if family == "bert" else \
+        (special[0], special[2], special[1], special[3])
+    tok = Tokenizer(models.WordPiece(unk_token=unk_tok))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainers.WordPieceTrainer(
+        vocab_size=ENCODER_COMMON["vocab_size"], special_tokens=special, show_progress=False))
+    cls_id, sep_id = tok.token_to_id(cls_tok), tok.token_to_id(sep_tok)
+    if family == "bert":
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{cls_tok} $A {sep_tok}", pair=f"{cls_tok} $A {sep_tok} $B:1 {sep_tok}:1",
+            special_tokens=[(cls_tok, cls_id), (sep_tok, sep_id)])
+    else:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{cls_tok} $A {sep_tok}", pair=f"{cls_tok} $A {sep_tok} {sep_tok} $B {sep_tok}",
+            special_tokens=[(cls_tok, cls_id), (sep_tok, sep_id)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": cls_tok, "sep_token": sep_tok,
+        "pad_token": pad_tok, "unk_token": unk_tok, "mask_token": special[4], "model_max_length": 128}))
+    torch.manual_seed(7 + classifier)
+    if family == "bert":
+        config = transformers.BertConfig(**ENCODER_COMMON, type_vocab_size=2, pad_token_id=0)
+        head_cls, base_cls = transformers.BertForSequenceClassification, transformers.BertModel
+    else:
+        config = transformers.XLMRobertaConfig(**{**ENCODER_COMMON, "max_position_embeddings": 162},
+                                               type_vocab_size=1, pad_token_id=tok.token_to_id(pad_tok),
+                                               bos_token_id=cls_id, eos_token_id=sep_id)
+        head_cls, base_cls = transformers.XLMRobertaForSequenceClassification, transformers.XLMRobertaModel
+    if classifier:
+        config.num_labels = 1
+    model = (head_cls if classifier else base_cls)(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    model.save_pretrained(folder)
+    return folder, model

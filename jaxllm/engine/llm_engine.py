@@ -32,7 +32,7 @@ from jaxllm.kernels import CPU_CACHE_DTYPES
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
-from jaxllm.pooling_params import EMBED, GENERATE, PooledState, Pooling, PoolingParams
+from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, PooledState, Pooling, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams
 from jaxllm.sharding import make_mesh
 from jaxllm.tokenizer.tokenizer import Tokenizer
@@ -104,26 +104,32 @@ class LLMEngine:
         self.model_name = config.served_model_name or name
         cfg = model.config
         self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
-        # Embedding: with the pooling the config names, else the one a sentence-transformers folder declares.
+        # Embedding: with the pooling the config names, else the one a sentence-transformers folder declares (an
+        # encoder without either: its [CLS] token, normalized); classifying: with a cross-encoder's head.
+        self.causal = getattr(model, "causal", True)
+        classifies = getattr(cfg, "num_labels", 0) > 0
         self.pooling = Pooling(config.pooling, config.normalize_embeddings) if config.pooling else \
             (loaded.pooling if loaded is not None else None)
+        if self.pooling is None and not self.causal and not classifies:
+            self.pooling = Pooling("cls", True)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
-        tasks = (GENERATE,) + ((EMBED,) if self.pooling is not None else ())
+        tasks = ((GENERATE,) if self.causal else ()) + ((EMBED,) if self.pooling is not None else ()) + \
+            ((CLASSIFY,) if classifies else ())
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n,
                                     hidden_size=cfg.hidden_size, tasks=tasks)
         self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
+                                   max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal)
         start = time.perf_counter()
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
                                   max_model_len=self.max_model_len, buckets=config.buckets(),
                                   eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache,
-                                  kv_cache_dtype=self.kv_cache_dtype)
+                                  kv_cache_dtype=self.kv_cache_dtype, generates=GENERATE in tasks)
         self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -177,9 +183,15 @@ class LLMEngine:
         c, cfg = self.config, model.config
         page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * \
             jnp.dtype(self.kv_cache_dtype).itemsize
-        num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
+        if self.causal:
+            num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
+            max_len = c.max_model_len or cfg.max_position_embeddings
+        else:  # an encoder reads no cache: pages for one step's slot mapping, inputs of at most one step
+            budget = c.max_num_batched_tokens
+            num_pages = -(-budget // c.page_size) + c.max_num_seqs
+            max_len = min(c.max_model_len or cfg.max_input_tokens, cfg.max_input_tokens, budget)
         num_pages = multihost.agree_min(num_pages)  # a compiled shape: every host must use the same
-        max_len = min(c.max_model_len or cfg.max_position_embeddings, num_pages * c.page_size)
+        max_len = min(max_len, num_pages * c.page_size)
         logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "
                     "maximum concurrency at max_model_len: %.1f", num_pages, c.page_size, num_pages * c.page_size,
                     num_pages * page_bytes / 2**30, max_len, num_pages * c.page_size / max_len)
@@ -262,7 +274,7 @@ class LLMEngine:
             seq.num_computed_tokens += n
             self.block_manager.cache_full_pages(seq)
             if seq.pooled is not None:
-                seq.pooled.add_chunk(start, *result.pooled[i])
+                seq.pooled.add_chunk(start, *result.pooled[0][i], result.pooled[1][i])
                 if seq.num_computed_tokens == seq.num_tokens:  # pooled: its pages are freed now
                     self._finish(seq, "stop", None)
                     pooled.append(seq.request)

@@ -33,28 +33,34 @@ from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Sequence
 from jaxllm.engine.structured_output import bitmask_width, fill_bitmask
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 from jaxllm.sharding import kv_cache_sharding
 from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 
 UINT32 = 1 << 32
 
 
-def _step(graphdef, state_def, params, caches, ids, positions, meta, logit_rows, sampling):
+def _step(graphdef, state_def, generates, params, caches, ids, positions, meta, logit_rows, sampling):
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     hidden, caches = model.forward_paged(ids, positions, caches, meta)
-    logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
-    tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling)
-    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
-    packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
-    return caches, packed, _pool_chunks(hidden, meta.query_start_loc)
+    s = logit_rows.shape[0]
+    if generates:
+        logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
+        tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling)
+        bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
+        packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+    else:  # a model that only pools
+        packed = jnp.zeros((s, 2 + 2 * MAX_LOGPROBS), jnp.int32)
+    pooled = _pool_chunks(hidden, meta.query_start_loc)
+    classified = model.classify(pooled[:, 0]) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
+    return caches, packed, pooled, classified
 
 
 def _pool_chunks(hidden: jax.Array, qsl: jax.Array) -> jax.Array:
     """hidden [T, E], query_start_loc [S + 1] -> [S, 3, E] float32: each sequence's first, last and summed hidden
     state in this step (what pooling needs from a prefill chunk; the host combines chunks). Read back only in a
-    step that has pooling requests."""
+    step that has pooling requests (as is a classifying model's head on the first: `classified` [S, labels])."""
     t, s = hidden.shape[0], qsl.shape[0] - 1
     h = hidden.astype(jnp.float32)
     seq_of_token = jnp.searchsorted(qsl, jnp.arange(t, dtype=qsl.dtype), side="right",
@@ -99,14 +105,16 @@ class StepResult:
     logprobs: np.ndarray  # [n]
     top_ids: np.ndarray  # [n, 20]
     top_logprobs: np.ndarray  # [n, 20]
-    pooled: np.ndarray | None = None  # [len(step.seqs), 3, E]: first, last, summed hidden state (pooling steps)
+    # Steps with pooling requests: ([len(step.seqs), 3, E] first, last, summed hidden state; [len(step.seqs), labels])
+    pooled: tuple[np.ndarray, np.ndarray] | None = None
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
-                 executable_cache: ExecutableCache | None = None, kv_cache_dtype=None):
-        """kv_cache_dtype: the cache's element type (default: the model's dtype)."""
+                 executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True):
+        """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
+        that only pools (its steps sample nothing)."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -114,7 +122,7 @@ class ModelRunner:
         # graphdef and flattening the nnx state on every call made dispatch 2.9-3.3 ms instead of 0.9 ms.
         self.params, state_def = jax.tree.flatten(state)
         self._graphdef = graphdef
-        self._jit = jax.jit(functools.partial(_step, graphdef, state_def), donate_argnums=(1,))
+        self._jit = jax.jit(functools.partial(_step, graphdef, state_def, generates), donate_argnums=(1,))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._build_lock = threading.Lock()  # builds run on a pool; the dict has one writer at a time
@@ -322,9 +330,12 @@ class ModelRunner:
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
-        out, pooled = self.run_inputs(bucket, inputs)
+        out, pooled, classified = self.run_inputs(bucket, inputs)
         tokens, logprobs, top_ids, top_logprobs = unpack(np.asarray(out))
-        pooled = np.asarray(pooled)[:len(step.seqs)] if any(q.pooled is not None for q in step.seqs) else None
+        if any(q.pooled is not None for q in step.seqs):
+            pooled = (np.asarray(pooled)[:len(step.seqs)], np.asarray(classified)[:len(step.seqs)])
+        else:
+            pooled = None
         if self._watchdog is not None:
             self._watchdog.finished()
         n = len(rows)

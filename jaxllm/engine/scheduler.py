@@ -30,8 +30,12 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 chunked: bool = True):
+        """chunked: prompts may be split over steps (a causal model); an encoder's inputs run whole, each within
+        one step's budget (the frontend refuses longer ones)."""
         self.bm = block_manager
+        self.chunked = chunked
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -90,11 +94,15 @@ class Scheduler:
             if not self._ready(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            # Mean and CLS pooling read every token's hidden state: a prefix-cache hit would skip some.
-            every_token = seq.pooled is not None and seq.pooled.pooling.needs_every_token
+            # Mean and CLS pooling read every token's hidden state, and an encoder's tokens attend to each other: a
+            # prefix-cache hit would skip some.
+            every_token = not self.chunked or (seq.pooled is not None and seq.pooled.pooling is not None
+                                               and seq.pooled.pooling.needs_every_token)
             cached = [] if every_token else self.bm.cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)
+            if not self.chunked and n < seq.num_tokens - start:
+                break  # whole or not at all: the next step has the budget
             if self.bm.pages_needed(start + n) - len(cached) > self.bm.num_free_pages - sum(
                     1 for p in cached if self.bm.ref_counts[p] == 0):
                 break

@@ -17,6 +17,7 @@ from jaxllm.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
 from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
+from jaxllm.loading.encoder import is_encoder_folder, load_encoder
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.gguf import gguf_config, gguf_quant_plan, gguf_tensors
 from jaxllm.loading.gguf_file import GGUFFile
@@ -126,13 +127,19 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
                             f"with quantization={quantization!r}")
         model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh)
         cfg = model.config
+    elif is_encoder_folder(p):
+        if tp > 1 or quantization not in ("auto", "none"):
+            raise LoadError(f"{p}: encoders run on one device with float weights")
+        model, tokenizer = load_encoder(p, dt)
+        cfg, plan = model.config, {}
     else:
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
         plan = int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan,
                                read_stats=read)
-    model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
+    if isinstance(model, LlamaForCausalLM):
+        model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
     name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name

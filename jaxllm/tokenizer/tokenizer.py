@@ -37,6 +37,11 @@ class Tokenizer:
             return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def encode_pair(self, text: str, pair: str) -> list[int]:
+        """Two texts as one input, joined by the tokenizer's own template (``[CLS] a [SEP] b [SEP]``): what a
+        cross-encoder scores."""
+        return self.backend.encode_batch([(text, pair)])[0].ids
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The longest text one token decodes to, in UTF-8 bytes: a text longer than max_model_len times this
