@@ -1,5 +1,6 @@
-"""Hugging Face folders of BERT-family encoders (``BertModel``, ``XLMRobertaModel``, their ``*ForSequenceClassification``
-cross-encoders), as sentence-transformers saves them: float weights read whole (these models are small)."""
+"""Hugging Face folders of BERT-family encoders (``BertModel``, ``XLMRobertaModel``, their
+``*ForSequenceClassification`` cross-encoders), as sentence-transformers saves them: float weights read whole
+(these models are small)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Encoders of the BERT family (``BertModel``, ``XLMRobertaModel``, and their ``*ForSequenceClassification`` cross-encoders):
-bidirectional attention within each sequence, learned absolute positions, post-LayerNorm blocks.
+"""Encoders of the BERT family (``BertModel``, ``XLMRobertaModel``, and their ``*ForSequenceClassification``
+cross-encoders): bidirectional attention within each sequence, learned absolute positions, post-LayerNorm blocks.
 
 The engine calls it like the decoder (``forward_paged(ids [T], positions [T], kv_cache, metadata)`` on a flat
 batch of whole sequences), so pooling requests for it batch and schedule the same way; it reads no cache (the
