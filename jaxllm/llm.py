@@ -9,10 +9,11 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jaxllm import scoring
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
@@ -51,6 +52,31 @@ class LLM:
               use_tqdm: bool = True) -> list[PoolingRequestOutput]:
         """One pooled vector per prompt (``out.outputs.data``), batched and chunked like generation."""
         return self._submit(prompts, pooling_params or PoolingParams(), PoolingParams, use_tqdm)
+
+    def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], *,
+              truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:
+        """A score per pair, 1:N (one `text_1`) or N:N: a cross-encoder's (sigmoid of its head), or the cosine
+        similarity of an embedding model's vectors."""
+        pairs = scoring.pairs(text_1, text_2)
+        plan = scoring.plan(self.engine.limits.tasks, self.engine.tokenizer, pairs, truncate_prompt_tokens)
+        outs = self._submit([{"prompt_token_ids": p} if isinstance(p, list) else p for p in plan.prompts],
+                            plan.params, PoolingParams, use_tqdm)
+        scores = plan.combine(outs)
+        if len(outs) == len(pairs):  # one input per pair
+            return [ScoringRequestOutput(o.request_id, ScoringOutput(s), o.prompt_token_ids)
+                    for o, s in zip(outs, scores, strict=True)]
+        by_text = {o.prompt: o for o in outs}
+        return [ScoringRequestOutput(f"{by_text[a].request_id}+{by_text[b].request_id}", ScoringOutput(s),
+                                     by_text[a].prompt_token_ids + by_text[b].prompt_token_ids)
+                for (a, b), s in zip(pairs, scores, strict=True)]
+
+    def rerank(self, query: str, documents: SequenceABC[str], *, top_n: int | None = None,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[RerankResult]:
+        """The documents ordered by relevance to `query`, best first (the first `top_n`)."""
+        documents = list(documents)
+        scores = [o.outputs.score for o in self.score(query, documents, truncate_prompt_tokens=truncate_prompt_tokens,
+                                                      use_tqdm=use_tqdm)]
+        return [RerankResult(i, documents[i], s) for i, s in scoring.ranked(scores, top_n)]
 
     def _submit(self, prompts, params, kind, use_tqdm: bool) -> list:
         if isinstance(prompts, str | dict):

@@ -59,3 +59,25 @@ class PoolingRequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's `ScoringRequestOutput`): a cross-encoder's, or the cosine of two embeddings."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]  # the pair's input (a cross-encoder), or both texts' (an embedding model)
+    finished: bool = True
+
+
+@dataclasses.dataclass
+class RerankResult:
+    index: int  # the document's position in the request
+    document: str
+    relevance_score: float

@@ -140,7 +140,8 @@ def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = Fa
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": cls_tok, "sep_token": sep_tok,
-        "pad_token": pad_tok, "unk_token": unk_tok, "mask_token": special[4], "model_max_length": 128}))
+        "pad_token": pad_tok, "unk_token": unk_tok, "mask_token": special[4], "model_max_length": 128,
+        "model_input_names": ["input_ids", "attention_mask"] + (["token_type_ids"] if family == "bert" else [])}))
     torch.manual_seed(7 + classifier)
     if family == "bert":
         config = transformers.BertConfig(**ENCODER_COMMON, type_vocab_size=2, pad_token_id=0)
