@@ -15,6 +15,8 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
     TokenizeRequest,
 )
 
@@ -133,6 +135,42 @@ class PoolingList(EmbeddingList):
     data: list[PoolingData]
 
 
+class Score(_Response):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreList(_Response):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[Score]
+    usage: PoolingUsage
+
+
+class RerankedDocument(_Response):
+    text: str
+
+
+class RerankResult(_Response):
+    index: int
+    document: RerankedDocument | None = None
+    relevance_score: float
+
+
+class RerankUsage(_Response):
+    total_tokens: int
+
+
+class RerankResponse(_Response):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+
+
 class Health(_Response):
     status: str
 
@@ -141,9 +179,10 @@ class Version(_Response):
     version: str
 
 
-REQUESTS = [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, TokenizeRequest, DetokenizeRequest]
-RESPONSES = [ErrorResponse, Completion, ChatCompletion, EmbeddingList, PoolingList, ModelList, TokenizeResponse,
-             DetokenizeResponse, Health, Version]
+REQUESTS = [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest, TokenizeRequest,
+            DetokenizeRequest]
+RESPONSES = [ErrorResponse, Completion, ChatCompletion, EmbeddingList, PoolingList, ScoreList, RerankResponse,
+             ModelList, TokenizeResponse, DetokenizeResponse, Health, Version]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
           429: "Request queue full", 500: "The request failed", 503: "The engine is not running"}
 
@@ -203,6 +242,12 @@ def openapi_document() -> dict:
                                       request=EmbeddingRequest, secured=True, errors=(400, 404, 413, 429, 500, 503)),
             "/pooling": _simple("post", PoolingList, "Pooled hidden states (vLLM's /pooling)", request=EmbeddingRequest,
                                 secured=True, errors=(400, 404, 413, 429, 500, 503)),
+            "/score": _simple("post", ScoreList, "Scores of text pairs (a cross-encoder or an embedding model)",
+                              request=ScoreRequest, secured=True, errors=(400, 404, 413, 429, 500, 503)),
+            "/rerank": _simple("post", RerankResponse, "Documents ranked by relevance to a query",
+                               request=RerankRequest, secured=True, errors=(400, 404, 413, 429, 500, 503)),
+            "/v1/rerank": _simple("post", RerankResponse, "Same as /rerank", request=RerankRequest, secured=True,
+                                  errors=(400, 404, 413, 429, 500, 503)),
             "/v1/models": _simple("get", ModelList, "The served model", secured=True),
             "/tokenize": _simple("post", TokenizeResponse, "Token ids of a prompt or chat", request=TokenizeRequest,
                                  secured=True, errors=(400, 404, 413)),

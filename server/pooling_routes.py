@@ -1,5 +1,7 @@
 """POST /v1/embeddings (OpenAI's shape) and POST /pooling (vLLM's): one pooled vector per input, from a model that
-embeds (``pooling=...`` or a sentence-transformers folder). A model that does not answers 400 saying so."""
+embeds (``pooling=...`` or a sentence-transformers folder); POST /score (vLLM's), /rerank and /v1/rerank (Jina's and
+Cohere's): text pairs scored by a cross-encoder or by the cosine of an embedding model's vectors. A model that
+cannot do what a route asks answers 400 saying so."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import time
 import numpy as np
 from flask import Blueprint, current_app, g, jsonify, request
 
+from jaxllm import scoring
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import PoolingRequestOutput
 from jaxllm.pooling_params import EMBED, PoolingParams
@@ -18,7 +21,7 @@ from server.disconnect import client_gone
 from server.errors import APIError
 from server.generation import Generation
 from server.parsing import invalid, parse
-from server.protocol import EmbeddingRequest
+from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.state import ServerState
 
 bp = Blueprint("pooling", __name__)
@@ -32,10 +35,11 @@ def state() -> ServerState:
 def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str | None) -> list[PoolingRequestOutput]:
     """Validates and tokenizes the inputs (off the hub thread), pools them on the engine, waits for every vector."""
     st = state()
-    if EMBED not in st.engine.limits.tasks:
-        raise APIError(400, f"the model '{st.model_name}' does not produce embeddings (it supports: "
-                       f"{', '.join(st.engine.limits.tasks)}); serve an embedding model, or set pooling",
-                       param="model")
+    if params.task not in st.engine.limits.tasks:
+        what, hint = ("produce embeddings", "serve an embedding model, or set pooling") if params.task == EMBED else \
+            ("classify", "serve a cross-encoder")
+        raise APIError(400, f"the model '{st.model_name}' does not {what} (it supports: "
+                       f"{', '.join(st.engine.limits.tasks)}); {hint}", param="model")
     try:
         prepared = [offload(len(x) if isinstance(x, str) else 0, st.engine.prepare_prompt, x, params, cache_salt)
                     for x in inputs]
@@ -77,3 +81,42 @@ def embeddings():
 @bp.post("/pooling")
 def pooling():
     return _respond(parse(EmbeddingRequest), "pooling", "pool")
+
+
+def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tuple[list[float], int]:
+    """Scores of the pairs, and the input tokens it took."""
+    st = state()
+    try:
+        pairs = scoring.pairs(text_1, text_2, names)
+        for text in dict.fromkeys(t for pair in pairs for t in pair):
+            st.engine.check_text_fits(text)
+        chars = sum(len(a) + len(b) for a, b in pairs)
+        plan = offload(chars, scoring.plan, st.engine.limits.tasks, st.engine.tokenizer, pairs, truncate)
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param=names[1], code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise invalid(e) from None
+    outs = pool(plan.prompts, plan.params, None)
+    return plan.combine(outs), sum(len(o.prompt_token_ids) for o in outs)
+
+
+@bp.post("/score")
+def score():
+    req = parse(ScoreRequest)
+    scores, tokens = _scores(req.text_1, req.text_2, req.truncate_prompt_tokens, ("text_1", "text_2"))
+    return jsonify({"id": f"score-{g.request_id}", "object": "list", "created": int(time.time()),
+                    "model": state().model_name,
+                    "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+@bp.post("/rerank")
+@bp.post("/v1/rerank")
+def rerank():
+    req = parse(RerankRequest)
+    documents = req.texts()
+    scores, tokens = _scores(req.query, documents, req.truncate_prompt_tokens, ("query", "documents"))
+    results = [{"index": i, **({"document": {"text": documents[i]}} if req.return_documents else {}),
+                "relevance_score": s} for i, s in scoring.ranked(scores, req.top_n)]
+    return jsonify({"id": f"rerank-{g.request_id}", "model": state().model_name, "usage": {"total_tokens": tokens},
+                    "results": results})

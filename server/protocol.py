@@ -407,3 +407,30 @@ class EmbeddingRequest(_Model):
     def pooling_params(self) -> PoolingParams:
         return PoolingParams(normalize=self.normalize, dimensions=self.dimensions,
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+class ScoreRequest(_Model):
+    """POST /score (vLLM's): text_1 against each text_2 (1:N), or element-wise (N:N)."""
+
+    model: Name | None = None
+    text_1: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    text_2: str | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    truncate_prompt_tokens: Count | None = None
+
+
+class RerankDocument(_Model):
+    text: str
+
+
+class RerankRequest(_Model):
+    """POST /rerank and /v1/rerank (Jina's and Cohere's shape)."""
+
+    model: Name | None = None
+    query: str
+    documents: Annotated[list[str | RerankDocument], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    top_n: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None
+    return_documents: bool = True
+    truncate_prompt_tokens: Count | None = None
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
