@@ -32,7 +32,8 @@ def state() -> ServerState:
     return current_app.extensions["jaxllm"]
 
 
-def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str | None) -> list[PoolingRequestOutput]:
+def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str | None,
+         param: str = "input") -> list[PoolingRequestOutput]:
     """Validates and tokenizes the inputs (off the hub thread), pools them on the engine, waits for every vector."""
     st = state()
     if params.task not in st.engine.limits.tasks:
@@ -44,7 +45,7 @@ def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str |
         prepared = [offload(len(x) if isinstance(x, str) else 0, st.engine.prepare_prompt, x, params, cache_salt)
                     for x in inputs]
     except PromptTooLongError as e:
-        raise APIError(400, str(e), param="input", code="context_length_exceeded") from None
+        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
     except InvalidRequestError as e:
         raise invalid(e) from None
     environ = request.environ
@@ -96,7 +97,7 @@ def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tup
         raise APIError(400, str(e), param=names[1], code="context_length_exceeded") from None
     except InvalidRequestError as e:
         raise invalid(e) from None
-    outs = pool(plan.prompts, plan.params, None)
+    outs = pool(plan.prompts, plan.params, None, param=names[1])
     return plan.combine(outs), sum(len(o.prompt_token_ids) for o in outs)
 
 

@@ -46,6 +46,26 @@ def tiny_embedding_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_encoder_dir(tmp_path_factory):
+    """(family "bert" / "xlm-roberta", pooling "mean" / "cls" or "classifier") -> a tiny random encoder folder: a
+    sentence-transformers embedding model, or a cross-encoder (a sequence-classification head, one label)."""
+    from tests.tiny_models import add_sentence_transformers_files, build_tiny_encoder
+
+    cache: dict[tuple[str, str], object] = {}
+
+    def get(family: str, kind: str):
+        if (family, kind) not in cache:
+            folder = tmp_path_factory.mktemp(f"tiny_{family}_{kind}")
+            build_tiny_encoder(folder, family, classifier=kind == "classifier")
+            if kind != "classifier":
+                add_sentence_transformers_files(folder, kind, pad_token="[PAD]" if family == "bert" else "<pad>")
+            cache[family, kind] = folder
+        return cache[family, kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     from jaxllm.loading.embedded import embedded_model_path
 

@@ -100,6 +100,9 @@ def add_sentence_transformers_files(folder: Path, pooling: str, normalize: bool 
     if config_path.exists():
         config = json.loads(config_path.read_text())
         config["pad_token"] = pad_token
+        # tokenizer.json as it is: for a Qwen3 folder transformers would otherwise build Qwen2's own pre-tokenizer
+        # (digits split one by one), which the tiny tokenizer was not trained with
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
         config_path.write_text(json.dumps(config))
 
 

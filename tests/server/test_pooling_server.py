@@ -103,3 +103,53 @@ def test_a_generation_model_refuses_to_embed(server):
     assert r.status_code == 400
     error = r.json()["error"]
     assert "does not produce embeddings" in error["message"] and error["param"] == "model"
+
+
+@pytest.fixture(scope="module")
+def rerank_server(tiny_encoder_dir, compile_cache_dir, tmp_path_factory):
+    env = {**tiny_engine_env(tiny_encoder_dir("bert", "classifier"), compile_cache_dir),
+           "JAXLLM_MAX_NUM_BATCHED_TOKENS": "128", "JAXLLM_MAX_MODEL_LEN": "128"}
+    srv = Server({"JAXLLM_API_KEY": API_KEY}, tmp_path_factory.mktemp("rerank_server") / "server.log", engine_env=env)
+    yield srv
+    srv.stop()
+
+
+def test_score_and_rerank_routes(rerank_server, tiny_encoder_dir):
+    from sentence_transformers import CrossEncoder
+
+    query, docs = "What is the capital of France?", TOKENIZER_CORPUS
+    want = CrossEncoder(str(tiny_encoder_dir("bert", "classifier")), device="cpu").predict([(query, d) for d in docs])
+    r = requests.post(rerank_server.url + "/score", headers=HEADERS, json={"text_1": query, "text_2": docs},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["index"] for d in body["data"]] == list(range(len(docs)))
+    np.testing.assert_allclose([d["score"] for d in body["data"]], want, atol=1e-4)
+    assert body["usage"]["prompt_tokens"] > 0
+    for path in ("/rerank", "/v1/rerank"):
+        r = requests.post(rerank_server.url + path, headers=HEADERS, timeout=60,
+                          json={"query": query, "documents": [docs[0], {"text": docs[1]}, *docs[2:]], "top_n": 3})
+        assert r.status_code == 200, r.text
+        results = r.json()["results"]
+        assert [x["index"] for x in results] == list(np.argsort(-want, kind="stable")[:3])
+        assert results[0]["document"]["text"] == docs[results[0]["index"]]
+        np.testing.assert_allclose(results[0]["relevance_score"], want.max(), atol=1e-4)
+    r = requests.post(rerank_server.url + "/rerank", headers=HEADERS, timeout=60,
+                      json={"query": query, "documents": docs, "return_documents": False})
+    assert len(r.json()["results"]) == len(docs) and "document" not in r.json()["results"][0]
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": []}, "text_2"),
+    ("/rerank", {"query": "a", "documents": []}, "documents"),
+    ("/rerank", {"query": " ", "documents": ["b"]}, "query"),
+    ("/rerank", {"query": "a", "documents": ["b"], "top_n": 0}, "top_n"),
+    ("/rerank", {"query": "a " * 300, "documents": ["b"]}, "documents"),
+    ("/v1/embeddings", {"input": "a text"}, "model"),
+    ("/v1/completions", {"prompt": "a text", "max_tokens": 2}, "model"),
+])
+def test_rerank_server_refuses_bad_input(rerank_server, path, body, param):
+    r = requests.post(rerank_server.url + path, headers=HEADERS, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
