@@ -110,7 +110,7 @@ ENCODER_COMMON = dict(vocab_size=1000, hidden_size=64, intermediate_size=128, nu
                       num_attention_heads=4, max_position_embeddings=160)
 
 
-def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = False):
+def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = False, **config_overrides):
     """A tiny random BERT or XLM-RoBERTa (with a sequence-classification head: a cross-encoder) and a WordPiece
     tokenizer whose template adds [CLS]/[SEP] (pairs: [CLS] a [SEP] b [SEP], token types 0 then 1), saved as
     sentence-transformers and transformers load it. Returns (folder, hf_model)."""
@@ -143,14 +143,15 @@ def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = Fa
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "cls_token": cls_tok, "sep_token": sep_tok,
-        "pad_token": pad_tok, "unk_token": unk_tok, "mask_token": special[4], "model_max_length": 128,
+        "pad_token": pad_tok, "unk_token": unk_tok, "mask_token": special[4], "model_max_length": 512,
         "model_input_names": ["input_ids", "attention_mask"] + (["token_type_ids"] if family == "bert" else [])}))
     torch.manual_seed(7 + classifier)
     if family == "bert":
-        config = transformers.BertConfig(**ENCODER_COMMON, type_vocab_size=2, pad_token_id=0)
+        config = transformers.BertConfig(**{**ENCODER_COMMON, **config_overrides}, type_vocab_size=2, pad_token_id=0)
         head_cls, base_cls = transformers.BertForSequenceClassification, transformers.BertModel
     else:
-        config = transformers.XLMRobertaConfig(**{**ENCODER_COMMON, "max_position_embeddings": 162},
+        config = transformers.XLMRobertaConfig(**{**ENCODER_COMMON, "max_position_embeddings": 162,
+                                                  **config_overrides},
                                                type_vocab_size=1, pad_token_id=tok.token_to_id(pad_tok),
                                                bos_token_id=cls_id, eos_token_id=sep_id)
         head_cls, base_cls = transformers.XLMRobertaForSequenceClassification, transformers.XLMRobertaModel
