@@ -3,7 +3,8 @@
 tokens/s. Models: a random BERT of all-MiniLM-L6-v2's shape (6 layers, 384 wide; mean pooling, the most used
 embedding model's architecture), a random Qwen3 of Qwen3-Embedding-0.6B's layout scaled down (last-token pooling),
 and the embedded SmolLM2-135M used as a last-token-pooling model (float32, converted from its GGUF by transformers).
-jaxllm's start-up (compiling its buckets) is reported beside, not counted.
+jaxllm's start-up (compiling its buckets) is reported beside, not counted; its prefix cache is off (every round
+embeds the same texts: a last-token model would otherwise reuse the first round's pages).
 
     python benchmarks/embed.py [--rounds 3] [--models minilm,qwen3,smollm2] [--json benchmarks/results/embed_cpu.json]
 """
@@ -53,12 +54,13 @@ def build(name: str, root: Path) -> tuple[Path, dict]:
         transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
         add_tiny_tokenizer(folder)
         add_sentence_transformers_files(folder, "last", max_seq_length=MAX_TOKENS)
-        return folder, dict(max_num_batched_tokens=1024, max_num_seqs=64)
+        return folder, dict(max_num_batched_tokens=1024, max_num_seqs=64, enable_prefix_caching=False)
     if name == "smollm2":  # the GGUF as transformers dequantizes it, and as jaxllm does (quantization="none")
         from jaxllm.loading.embedded import embedded_model_path
 
         gguf = embedded_model_path()
-        return gguf, dict(max_num_batched_tokens=1024, max_num_seqs=64, pooling="last", quantization="none")
+        return gguf, dict(max_num_batched_tokens=1024, max_num_seqs=64, pooling="last", quantization="none",
+                          enable_prefix_caching=False)
     raise ValueError(f"unknown model {name!r}")
 
 

@@ -58,7 +58,8 @@ class LLM:
         """A score per pair, 1:N (one `text_1`) or N:N: a cross-encoder's (sigmoid of its head), or the cosine
         similarity of an embedding model's vectors."""
         pairs = scoring.pairs(text_1, text_2)
-        plan = scoring.plan(self.engine.limits.tasks, self.engine.tokenizer, pairs, truncate_prompt_tokens)
+        plan = scoring.plan(self.engine.limits.tasks, self.engine.tokenizer, pairs, truncate_prompt_tokens,
+                            self.engine.score_template)
         outs = self._submit([{"prompt_token_ids": p} if isinstance(p, list) else p for p in plan.prompts],
                             plan.params, PoolingParams, use_tqdm)
         scores = plan.combine(outs)

@@ -119,12 +119,13 @@ class PooledState:
     def add_chunk(self, start: int, first: np.ndarray, last: np.ndarray, total: np.ndarray,
                   classified: np.ndarray) -> None:
         """start: the chunk's first position (0 starts over: a preempted sequence is recomputed); classified: the
-        model's head on `first` (a model without one: empty)."""
+        model's head on this chunk (a model without one: empty); the last chunk's is the sequence's (an encoder's
+        input is one chunk; a decoder classifies from its last token)."""
         if start == 0 or self.total is None:
-            self.first, self.total, self.classified = first, total.astype(np.float64), classified
+            self.first, self.total = first, total.astype(np.float64)
         else:
             self.total = self.total + total
-        self.last = last
+        self.last, self.classified = last, classified
 
     def result(self, num_tokens: int, params: PoolingParams) -> np.ndarray:
         if params.task == CLASSIFY:

@@ -1,8 +1,10 @@
 """Scoring text pairs, for `LLM.score` / `LLM.rerank` and the /score and /rerank routes (vLLM's semantics).
 
 A cross-encoder (a model with the "classify" task) reads each pair as one input, ``[CLS] a [SEP] b [SEP]``, and its
-head's sigmoid is the score. An embedding model embeds both sides (each distinct text once) and the score is the
-cosine similarity. Pairs are 1:N (one first text against several) or N:N (element-wise).
+head's sigmoid is the score; a decoder reranker (``classifier_tokens=("no", "yes")``) reads the pair through its
+``score_template`` and the score is the softmax of those tokens' logits, the last one's. An embedding model embeds
+both sides (each distinct text once) and the score is the cosine similarity. Pairs are 1:N (one first text against
+several) or N:N (element-wise).
 """
 
 from __future__ import annotations
@@ -53,14 +55,20 @@ class ScorePlan:
 
 
 def plan(tasks: Sequence[str], tokenizer: Tokenizer | None, text_pairs: list[tuple[str, str]],
-         truncate_prompt_tokens: int | None = None) -> ScorePlan:
-    """How a model with `tasks` scores `text_pairs`. Raises InvalidRequestError if it cannot."""
+         truncate_prompt_tokens: int | None = None, template: str | None = None) -> ScorePlan:
+    """How a model with `tasks` scores `text_pairs`: a classifier reads each pair as one input (the tokenizer's
+    pair encoding, or `template` with "{query}" and "{document}" filled in) and its last label's probability is
+    the score; an embedding model's is the cosine. Raises InvalidRequestError if it can do neither."""
     if CLASSIFY in tasks:
         if tokenizer is None:
             raise InvalidRequestError("scoring text needs the model's tokenizer; this engine has none", "model")
-        prompts = [tokenizer.encode_pair(a, b) for a, b in text_pairs]
+        if template is not None:
+            prompts = [tokenizer.encode(template.replace("{query}", a).replace("{document}", b))
+                       for a, b in text_pairs]
+        else:
+            prompts = [tokenizer.encode_pair(a, b) for a, b in text_pairs]
         params = PoolingParams(task=CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
-        return ScorePlan(prompts, params, lambda outs: [float(o.outputs.data[0]) for o in outs])
+        return ScorePlan(prompts, params, lambda outs: [float(o.outputs.data[-1]) for o in outs])
     if EMBED in tasks:
         texts = list(dict.fromkeys(t for pair in text_pairs for t in pair))
         index = {t: i for i, t in enumerate(texts)}

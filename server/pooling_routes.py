@@ -92,7 +92,8 @@ def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tup
         for text in dict.fromkeys(t for pair in pairs for t in pair):
             st.engine.check_text_fits(text)
         chars = sum(len(a) + len(b) for a, b in pairs)
-        plan = offload(chars, scoring.plan, st.engine.limits.tasks, st.engine.tokenizer, pairs, truncate)
+        plan = offload(chars, scoring.plan, st.engine.limits.tasks, st.engine.tokenizer, pairs, truncate,
+                       st.engine.score_template)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=names[1], code="context_length_exceeded") from None
     except InvalidRequestError as e:

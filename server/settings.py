@@ -41,7 +41,8 @@ _ENGINE_ENV = {
     "max_waiting_requests": int,
     "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
-    "pooling": str, "normalize_embeddings": _flag,
+    "pooling": str, "normalize_embeddings": _flag, "score_template": str,
+    "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
 }
 
 

@@ -38,3 +38,36 @@ def test_an_embedding_model_scores_by_cosine(tiny_embedding_dir, compile_cache_d
     np.testing.assert_allclose(got, want, atol=1e-4)
     assert got[2] == pytest.approx(1.0, abs=1e-5)  # the query itself
     assert llm.rerank(query, docs, top_n=1, use_tqdm=False)[0].index == 2
+
+
+TEMPLATE = "<|im_start|>user\nQuery: {query}\nDocument: {document}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_decoder_reranker_scores_with_its_label_tokens(tiny_embedding_dir, compile_cache_dir):
+    """Qwen3-Reranker style: the score is softmax over the logits of ("no", "yes")-like tokens at the last token
+    of the templated pair, as transformers computes it."""
+    import torch
+    import transformers
+
+    folder = tiny_embedding_dir("last")
+    from jaxllm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
+
+    tok = tokenizer_from_hf_folder(folder)
+    labels = (tok.backend.id_to_token(400), tok.backend.id_to_token(401))
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, num_pages=256,
+              max_model_len=256, compilation_cache_dir=compile_cache_dir, classifier_tokens=labels,
+              score_template=TEMPLATE)
+    assert "classify" in llm.engine.limits.tasks and "generate" in llm.engine.limits.tasks
+    query, docs = TOKENIZER_CORPUS[2], TOKENIZER_CORPUS
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want = []
+    for d in docs:
+        ids = tok.encode(TEMPLATE.replace("{query}", query).replace("{document}", d))
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1, [400, 401]].double()
+        want.append(float(torch.softmax(logits, 0)[1]))
+    got = [o.outputs.score for o in llm.score(query, docs, use_tqdm=False)]
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    with pytest.raises(Exception, match="not one token"):
+        LLM(str(folder), dtype="float32", max_num_batched_tokens=64, max_num_seqs=8, num_pages=256,
+            max_model_len=256, compilation_cache_dir=compile_cache_dir, classifier_tokens=("no such token!",))

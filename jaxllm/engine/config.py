@@ -64,6 +64,10 @@ class EngineConfig:
     # (modules.json), else the model does not embed. normalize_embeddings: the default of a request's `normalize`.
     pooling: str | None = None
     normalize_embeddings: bool = True
+    # A decoder as a reranker (Qwen3-Reranker): the tokens whose last-token logits are its labels' scores, e.g.
+    # ("no", "yes"), and the text a (query, document) pair becomes, with "{query}" and "{document}" in it.
+    classifier_tokens: tuple[str, ...] | None = None
+    score_template: str | None = None
     # Compilation
     compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
     seed: int = 0
@@ -71,6 +75,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.token_buckets is not None:
             object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
+        if self.classifier_tokens is not None:
+            object.__setattr__(self, "classifier_tokens", tuple(self.classifier_tokens))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.num_hosts >= 1, "num_hosts must be >= 1"),
@@ -92,6 +98,9 @@ class EngineConfig:
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.pooling in (None, *POOLING_METHODS), f"pooling must be one of {', '.join(POOLING_METHODS)}"),
+            (self.classifier_tokens is None or len(self.classifier_tokens) >= 1, "classifier_tokens must not be empty"),
+            (self.score_template is None or "{query}" in self.score_template and "{document}" in self.score_template,
+             "score_template must contain {query} and {document}"),
         ]
         for ok, message in checks:
             if not ok:

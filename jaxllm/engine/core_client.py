@@ -61,7 +61,7 @@ class EngineCoreClient:
                                                          max_model_len=info["max_model_len"], max_n=info["max_n"],
                                                          hidden_size=info["hidden_size"],
                                                          tasks=tuple(info["tasks"])),
-                               tuple(info["eos_token_ids"]), info["model_name"])
+                               tuple(info["eos_token_ids"]), info["model_name"], info["score_template"])
         self._start_reader()
 
     def _connect(self) -> None:

@@ -46,6 +46,7 @@ class EngineCoreServer:
         self.info = {**info, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
                      "vocab_size": engine.limits.vocab_size, "max_n": engine.limits.max_n,
                      "hidden_size": engine.limits.hidden_size, "tasks": list(engine.limits.tasks),
+                     "score_template": engine.frontend.score_template,
                      "eos_token_ids": list(engine.eos_token_ids), "max_num_seqs": engine.config.max_num_seqs,
                      "max_waiting_requests": engine.config.max_waiting_requests,
                      "page_size": engine.config.page_size}

@@ -28,8 +28,10 @@ def check_cache_salt(salt: str | None) -> None:
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits, eos_token_ids: tuple[int, ...],
-                 model_name: str):
+                 model_name: str, score_template: str | None = None):
+        """score_template: how a decoder reranker reads a (query, document) pair (`jaxllm.scoring`)."""
         self.tokenizer, self.limits, self.eos_token_ids, self.model_name = tokenizer, limits, eos_token_ids, model_name
+        self.score_template = score_template
         if tokenizer is not None:
             tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
 

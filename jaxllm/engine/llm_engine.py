@@ -107,7 +107,9 @@ class LLMEngine:
         # Embedding: with the pooling the config names, else the one a sentence-transformers folder declares (an
         # encoder without either: its [CLS] token, normalized); classifying: with a cross-encoder's head.
         self.causal = getattr(model, "causal", True)
-        classifies = getattr(cfg, "num_labels", 0) > 0
+        if config.classifier_tokens:
+            model.set_classifier_tokens(self._classifier_ids(model, tokenizer, config.classifier_tokens))
+        classifies = getattr(cfg, "num_labels", 0) > 0 or bool(getattr(model, "classifier_token_ids", ()))
         self.pooling = Pooling(config.pooling, config.normalize_embeddings) if config.pooling else \
             (loaded.pooling if loaded is not None else None)
         if self.pooling is None and not self.causal and not classifies:
@@ -121,7 +123,8 @@ class LLMEngine:
             ((CLASSIFY,) if classifies else ())
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n,
                                     hidden_size=cfg.hidden_size, tasks=tasks)
-        self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name)
+        self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name,
+                                 score_template=config.score_template)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal)
@@ -151,6 +154,19 @@ class LLMEngine:
         if config.num_hosts > 1 and config.host_rank == 0:
             self._lead_followers()
 
+    @staticmethod
+    def _classifier_ids(model, tokenizer: Tokenizer | None, tokens: tuple[str, ...]) -> tuple[int, ...]:
+        if not getattr(model, "causal", True) or tokenizer is None:
+            raise ConfigError("classifier_tokens: a decoder with a tokenizer reads its labels from token logits")
+        ids = []
+        for t in tokens:
+            found = tokenizer.backend.token_to_id(t)
+            encoded = tokenizer.encode(t, add_special_tokens=False)
+            if found is None and len(encoded) != 1:
+                raise ConfigError(f"classifier_tokens: {t!r} is not one token of this tokenizer ({encoded})")
+            ids.append(found if found is not None else encoded[0])
+        return tuple(ids)
+
     def _lead_followers(self) -> None:
         """Multi-host rank 0, once every host warmed up the same buckets in the same order (lockstep): wait for the
         followers on the step channel, then send them every step. They are told to stop at `close` (also at
@@ -174,6 +190,10 @@ class LLMEngine:
         sending them."""
         lead = self._leader
         return {} if lead is None else {"steps": lead.sends, "bytes": lead.sent_bytes, "send_s": lead.send_s}
+
+    @property
+    def score_template(self) -> str | None:
+        return self.frontend.score_template
 
     @property
     def warmup_seconds(self) -> float:

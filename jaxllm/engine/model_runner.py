@@ -53,7 +53,7 @@ def _step(graphdef, state_def, generates, params, caches, ids, positions, meta, 
     else:  # a model that only pools
         packed = jnp.zeros((s, 2 + 2 * MAX_LOGPROBS), jnp.int32)
     pooled = _pool_chunks(hidden, meta.query_start_loc)
-    classified = model.classify(pooled[:, 0]) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
+    classified = model.classify(pooled) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
     return caches, packed, pooled, classified
 
 

@@ -192,11 +192,12 @@ class EncoderModel(nnx.Module):
             x = layer(x, same_sequence)
         return x, kv_cache
 
-    def classify(self, first: jax.Array) -> jax.Array:
-        """The cross-encoder's head: first-token hidden states [S, E] -> [S, num_labels] float32."""
+    def classify(self, pooled: jax.Array) -> jax.Array:
+        """The cross-encoder's head on the first ([CLS]) token: pooled [S, 3, E] (first, last, summed hidden
+        state) -> [S, num_labels] float32."""
         if not self.config.num_labels:
-            return jnp.zeros((first.shape[0], 0), jnp.float32)
-        return self.head_out(jnp.tanh(self.head_dense(first))).astype(jnp.float32)
+            return jnp.zeros((pooled.shape[0], 0), jnp.float32)
+        return self.head_out(jnp.tanh(self.head_dense(pooled[:, 0]))).astype(jnp.float32)
 
     def logits(self, hidden):  # an encoder does not generate: the engine never samples from it
         return jnp.zeros((*hidden.shape[:-1], 1), jnp.float32)

@@ -83,6 +83,12 @@ class LlamaForCausalLM(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs, quant=quant.get("lm_head"))
         self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
+        self.classifier_token_ids: tuple[int, ...] = ()  # static: a reranker's label tokens (see `classify`)
+
+    def set_classifier_tokens(self, token_ids: tuple[int, ...]) -> None:
+        """Makes the model a classifier whose label scores are the last token's logits of `token_ids` (a
+        Qwen3-Reranker reads ("no", "yes")): what `classify` returns."""
+        self.classifier_token_ids = tuple(int(t) for t in token_ids)
 
     def set_kernels(self, kernels: Kernels) -> None:
         """Uses `kernels` for attention and for every linear layer (and the tied LM head). Loads them now: a CPU
@@ -150,6 +156,23 @@ class LlamaForCausalLM(nnx.Module):
         """hidden [..., E] -> float32 logits [..., V]."""
         out = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+    def classify(self, pooled: jax.Array) -> jax.Array:
+        """pooled [S, 3, E] (each sequence's first, last, summed final hidden state) -> [S, labels] float32: the
+        last token's logits of the classifier tokens (none set: [S, 0]). Only those rows of the LM head are read,
+        unless it is quantized."""
+        ids = self.classifier_token_ids
+        last = pooled[:, 1]
+        if not ids:
+            return jnp.zeros((last.shape[0], 0), jnp.float32)
+        index = jnp.asarray(ids, jnp.int32)
+        if self.lm_head is None:
+            rows = self.embed_tokens(index)  # [K, E] (a quantized table dequantizes just these rows)
+        elif self.lm_head.quant is None:
+            rows = self.lm_head.weight[...][index]
+        else:
+            return self.logits(last)[:, index]
+        return (last.astype(jnp.float32) @ rows.astype(jnp.float32).T).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None) -> jax.Array:
