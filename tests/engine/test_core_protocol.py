@@ -59,3 +59,25 @@ def test_proof_of_the_secret():
     assert not proto.verify("s3cret", nonce, proto.prove("other", nonce))
     assert not proto.verify("s3cret", proto.new_nonce(), proto.prove("s3cret", nonce))
     assert not proto.verify("s3cret", nonce, "not bytes")
+
+
+def test_pooling_params_and_outputs_cross_the_wire():
+    import numpy as np
+    import pytest
+
+    from jaxllm.errors import InvalidRequestError
+    from jaxllm.outputs import PoolingOutput, PoolingRequestOutput
+    from jaxllm.pooling_params import PoolingParams
+
+    params = PoolingParams(dimensions=8, normalize=False, truncate_prompt_tokens=100)
+    back = proto.params_from_wire(proto.decode(proto.encode("add", params))[1])
+    assert back == params and isinstance(back, PoolingParams)
+    with pytest.raises(InvalidRequestError):  # validated again on the core's side
+        proto.params_from_wire({"task": "embed", "dimensions": 0})
+    vector = np.random.default_rng(0).standard_normal(8).astype(np.float32)
+    out = PoolingRequestOutput("r", None, [1, 2, 3], PoolingOutput(vector), True, num_cached_tokens=2)
+    got = []
+    delta = proto.decode(proto.encode("out", "r", proto.OutputDeltas().delta(out)))[2]
+    proto.OutputAssembler("r", "text", [1, 2, 3], got.append).apply(delta)
+    assert got[0].finished and got[0].num_cached_tokens == 2 and got[0].prompt == "text"
+    np.testing.assert_array_equal(got[0].outputs.data, vector)
