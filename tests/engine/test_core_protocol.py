@@ -65,14 +65,13 @@ def test_pooling_params_and_outputs_cross_the_wire():
     import numpy as np
     import pytest
 
-    from jaxllm.errors import InvalidRequestError
     from jaxllm.outputs import PoolingOutput, PoolingRequestOutput
     from jaxllm.pooling_params import PoolingParams
 
     params = PoolingParams(dimensions=8, normalize=False, truncate_prompt_tokens=100)
     back = proto.params_from_wire(proto.decode(proto.encode("add", params))[1])
     assert back == params and isinstance(back, PoolingParams)
-    with pytest.raises(InvalidRequestError):  # validated again on the core's side
+    with pytest.raises(ValueError):  # validated again on the core's side (msgspec wraps the error)
         proto.params_from_wire({"task": "embed", "dimensions": 0})
     vector = np.random.default_rng(0).standard_normal(8).astype(np.float32)
     out = PoolingRequestOutput("r", None, [1, 2, 3], PoolingOutput(vector), True, num_cached_tokens=2)
