@@ -13,6 +13,7 @@ from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.reasoning import reasoning_parser
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
@@ -42,9 +43,10 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         raise invalid(e) from None
 
 
-def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None,
+def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams, cache_salt: str | None,
           prompt_param: str = "prompt") -> Generation:
-    """Validates and tokenizes the prompts (off the hub thread), then hands them to the engine."""
+    """Validates and tokenizes the prompts (or a pooling request's inputs) off the hub thread, then hands them to
+    the engine."""
     engine = state().engine
     try:
         prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt)

@@ -17,9 +17,8 @@ from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.outputs import PoolingRequestOutput
 from jaxllm.pooling_params import EMBED, PoolingParams
 from server.bridge import offload
-from server.disconnect import client_gone
 from server.errors import APIError
-from server.generation import Generation
+from server.openai_routes import start
 from server.parsing import invalid, parse
 from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.state import ServerState
@@ -41,15 +40,7 @@ def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str |
             ("classify", "serve a cross-encoder")
         raise APIError(400, f"the model '{st.model_name}' does not {what} (it supports: "
                        f"{', '.join(st.engine.limits.tasks)}); {hint}", param="model")
-    try:
-        prepared = [offload(len(x) if isinstance(x, str) else 0, st.engine.prepare_prompt, x, params, cache_salt)
-                    for x in inputs]
-    except PromptTooLongError as e:
-        raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
-    except InvalidRequestError as e:
-        raise invalid(e) from None
-    environ = request.environ
-    gen = Generation(st, prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+    gen = start(inputs, params, cache_salt, prompt_param=param)  # validated and tokenized as prompts are
     outs = gen.wait()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     access_log.info('%s "%s %s" 200 request_id=%s prompt_tokens=%d latency=%.3fs', request.remote_addr,
