@@ -1,0 +1,1 @@
+"""Images for vision-language models: decoding and preprocessing (numpy and Pillow, no torch)."""
