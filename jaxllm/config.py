@@ -34,6 +34,9 @@ class RopeConfig:
     truncate: bool = True
     # Per-frequency divisors stored by llama.cpp (`rope_freqs.weight`) in place of llama3 metadata.
     freq_factors: tuple[float, ...] | None = None
+    # Multimodal rotary positions (Qwen-VL): the frequency slots (head_dim / 2 in all) that rotate by the temporal,
+    # height and width position; positions are then [3, ...].
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -42,6 +45,10 @@ class RopeConfig:
             )
         if self.theta <= 0 or self.factor <= 0:
             raise ConfigError(f"rope theta and factor must be positive, got {self.theta} and {self.factor}")
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(v) for v in self.mrope_section))
+            if len(self.mrope_section) != 3:
+                raise ConfigError(f"mrope_section must have 3 entries (t, h, w), got {self.mrope_section}")
         if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
             raise ConfigError(f"rope type {self.rope_type!r} needs original_max_position_embeddings")
 
@@ -54,6 +61,8 @@ class RopeConfig:
         params = {**legacy, **params}
         theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+        if rope_type == "mrope":  # Qwen2-VL's flat configs name it a type; the frequencies are the default ones
+            rope_type = "default"
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in params.items() if k in names and v is not None}
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)

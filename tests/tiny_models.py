@@ -167,3 +167,37 @@ def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = Fa
     model.eval()
     model.save_pretrained(folder)
     return folder, model
+
+
+def build_tiny_qwen2_5_vl(folder: Path, flat_config: bool = False):
+    """A tiny random Qwen2.5-VL (2 text layers with M-RoPE sections (2, 3, 3); a 2-block vision encoder, one of
+    them full attention) saved by transformers; `flat_config` rewrites config.json in the flat layout most
+    published Qwen2.5-VL folders use (text fields at the top, ``rope_scaling: {type: mrope}``). Returns (folder,
+    hf_model); image-pad / vision-start / vision-end token ids 1000 / 1002 / 1003."""
+    import json
+
+    import torch
+    import transformers
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        vision_config=dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                           fullatt_block_indexes=[1]),
+        image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003,
+        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(3)
+    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.08)
+    model.save_pretrained(folder)
+    if flat_config:
+        raw = json.loads((folder / "config.json").read_text())
+        text = raw.pop("text_config")
+        rope = text.pop("rope_parameters")
+        raw.update(text, rope_theta=rope["rope_theta"], model_type="qwen2_5_vl",
+                   rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+        (folder / "config.json").write_text(json.dumps(raw))
+    return folder, model

@@ -150,7 +150,7 @@ class LlamaForCausalLM(nnx.Module):
     def _rope(self, positions: jax.Array):
         # Frequencies are trace-time numpy constants, not parameters.
         inv_freq, attention_factor = rope_frequencies(self.config.rope, self.config.head_dim)
-        return rope_cos_sin(positions, inv_freq, attention_factor)
+        return rope_cos_sin(positions, inv_freq, attention_factor, self.config.rope.mrope_section)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> float32 logits [..., V]."""
@@ -175,28 +175,33 @@ class LlamaForCausalLM(nnx.Module):
         return (last.astype(jnp.float32) @ rows.astype(jnp.float32).T).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None) -> jax.Array:
-        """input_ids [B, S]; positions [B, S] (default 0..S-1); attention_mask [B, S] (1 = real token)."""
+                 attention_mask: jax.Array | None = None, inputs_embeds: jax.Array | None = None) -> jax.Array:
+        """input_ids [B, S]; positions [B, S] (default 0..S-1; with M-RoPE [3, B, S], the causal order is then the
+        tokens'); attention_mask [B, S] (1 = real token); inputs_embeds [B, S, E]: used instead of the token
+        embeddings (a vision-language model's, with its images' in place)."""
         b, s = input_ids.shape
+        order = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            positions = order if self.config.rope.mrope_section is None else jnp.broadcast_to(order, (3, b, s))
+        causal = positions if positions.ndim == 2 else order
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
         cos, sin = self._rope(positions)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
         def run(layer, x, carry, index):
-            return layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=positions), None))
+            return layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal), None))
 
         x, _ = self._run_layers(run, x, None)
         return self.logits(self.norm(x))
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                      metadata: AttentionMetadata) -> tuple[jax.Array, KVCache]:
-        """input_ids, positions [T] -> final hidden states [T, E] and the updated cache. `metadata` names pages
-        0..pages_per_layer-1; each layer reads and writes its own range of the cache."""
+                      metadata: AttentionMetadata, inputs_embeds: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+        """input_ids, positions [T] ([3, T] with M-RoPE) -> final hidden states [T, E] and the updated cache.
+        `metadata` names pages 0..pages_per_layer-1; each layer reads and writes its own range of the cache.
+        inputs_embeds [T, E]: instead of the token embeddings."""
         attn_fn = attention_kernel(self.kernels)
         cos, sin = self._rope(positions)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         _, total_pages, page_size, _ = kv_cache[0].shape
         pages_per_layer = total_pages // self.config.num_layers
 

@@ -70,9 +70,14 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
-def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor: float):
-    """positions [...] -> cos, sin [..., head_dim] (float32)."""
+def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor: float,
+                 mrope_section: tuple[int, ...] | None = None):
+    """positions [...] -> cos, sin [..., head_dim] (float32). With `mrope_section`, positions are [3, ...]
+    (temporal, height, width) and each frequency slot takes its section's axis."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., head_dim // 2]
+    if mrope_section is not None:  # [3, ..., head_dim // 2] -> [..., head_dim // 2]: a 0/1 selection, exact
+        pick = np.eye(3, dtype=np.float32)[np.repeat(np.arange(3), mrope_section)]  # [head_dim // 2, 3]
+        angles = jnp.einsum("a...j,ja->...j", angles, jnp.asarray(pick))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 

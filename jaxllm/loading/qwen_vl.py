@@ -1,0 +1,54 @@
+"""Hugging Face folders of Qwen2.5-VL: the language model's tensors go through the decoder's loader (renamed to its
+layout: transformers 5's ``model.language_model.*`` or the flat ``model.*``), the vision encoder's (``visual.*`` or
+``model.visual.*``) into `QwenVisionEncoder`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jax.sharding import Mesh
+
+from jaxllm.config import ConfigError
+from jaxllm.kernels import Kernels
+from jaxllm.loading.errors import LoadError
+from jaxllm.loading.hf import hf_tensors
+from jaxllm.loading.weights import ReadStats, assemble_model
+from jaxllm.models.qwen_vision import QwenVisionEncoder, load_vision_arrays
+from jaxllm.models.qwen_vl import VL_ARCHITECTURES, QwenVLForConditionalGeneration, VLConfig
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def is_vl_folder(folder: Path) -> bool:
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(raw.get("architectures")) and raw["architectures"][0] in VL_ARCHITECTURES
+
+
+def load_qwen_vl(folder: Path, *, dtype, kernels: Kernels, mesh: Mesh,
+                 read_stats: ReadStats | None = None) -> QwenVLForConditionalGeneration:
+    try:
+        cfg = VLConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    except ConfigError as e:
+        raise LoadError(f"{folder}/config.json: {e}") from None
+    vision: dict = {}
+
+    def language_tensors():
+        for name, load, source in hf_tensors(folder):
+            prefix = next((p for p in VISION_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                vision[name[len(prefix):]] = load()
+            else:
+                yield name.replace("model.language_model.", "model.", 1), load, source
+
+    language = assemble_model(cfg.text, language_tensors(), dtype=dtype, kernels=kernels, mesh=mesh,
+                              read_stats=read_stats)
+    encoder = QwenVisionEncoder(cfg.vision)
+    try:
+        load_vision_arrays(encoder, vision)
+    except ConfigError as e:
+        raise LoadError(f"{folder}: {e}") from None
+    return QwenVLForConditionalGeneration(cfg, language, encoder)
