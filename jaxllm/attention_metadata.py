@@ -23,6 +23,11 @@ class AttentionMetadata:
     kv_lens: jax.Array  # [S] int32: context length including this step's tokens; 0 = padding sequence
     query_start_loc: jax.Array  # [S + 1] int32: sequence s owns tokens [qsl[s], qsl[s + 1])
 
+    def sequence_of_token(self, num_tokens: int) -> jax.Array:
+        """[num_tokens] int32: the sequence each token belongs to (padding tokens: the number of sequences)."""
+        qsl = self.query_start_loc
+        return jnp.searchsorted(qsl, jnp.arange(num_tokens, dtype=qsl.dtype), side="right", method="compare_all") - 1
+
     def offset_pages(self, first_page: int | jax.Array, page_size: int) -> AttentionMetadata:
         """The same step on pages first_page, first_page + 1, ...: one layer's range in a cache that holds every
         layer's pages (padding slots stay negative)."""

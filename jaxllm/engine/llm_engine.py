@@ -132,7 +132,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
                                   max_model_len=self.max_model_len, buckets=config.buckets(),
                                   eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache,
-                                  kv_cache_dtype=self.kv_cache_dtype, generates=GENERATE in tasks)
+                                  kv_cache_dtype=self.kv_cache_dtype, generates=GENERATE in tasks,
+                                  pools=tasks != (GENERATE,))
         self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)

@@ -40,7 +40,7 @@ from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 UINT32 = 1 << 32
 
 
-def _step(graphdef, state_def, generates, params, caches, ids, positions, meta, logit_rows, sampling):
+def _step(graphdef, state_def, generates, pools, params, caches, ids, positions, meta, logit_rows, sampling):
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     hidden, caches = model.forward_paged(ids, positions, caches, meta)
     s = logit_rows.shape[0]
@@ -52,20 +52,21 @@ def _step(graphdef, state_def, generates, params, caches, ids, positions, meta, 
         packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
     else:  # a model that only pools
         packed = jnp.zeros((s, 2 + 2 * MAX_LOGPROBS), jnp.int32)
-    pooled = _pool_chunks(hidden, meta.query_start_loc)
+    if not pools:  # a model that only generates: the same outputs, none of the work (decode steps stay lean)
+        return caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32)
+    pooled = _pool_chunks(hidden, meta)
     classified = model.classify(pooled) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
     return caches, packed, pooled, classified
 
 
-def _pool_chunks(hidden: jax.Array, qsl: jax.Array) -> jax.Array:
+def _pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
     """hidden [T, E], query_start_loc [S + 1] -> [S, 3, E] float32: each sequence's first, last and summed hidden
     state in this step (what pooling needs from a prefill chunk; the host combines chunks). Read back only in a
     step that has pooling requests (as is a classifying model's head on the first: `classified` [S, labels])."""
+    qsl = meta.query_start_loc
     t, s = hidden.shape[0], qsl.shape[0] - 1
     h = hidden.astype(jnp.float32)
-    seq_of_token = jnp.searchsorted(qsl, jnp.arange(t, dtype=qsl.dtype), side="right",
-                                    method="compare_all") - 1  # padding tokens: s
-    total = jax.ops.segment_sum(h, seq_of_token, num_segments=s)  # ids >= s (padding tokens) are dropped
+    total = jax.ops.segment_sum(h, meta.sequence_of_token(t), num_segments=s)  # padding tokens (id s) dropped
     first = h[jnp.clip(qsl[:-1], 0, t - 1)]
     last = h[jnp.clip(qsl[1:] - 1, 0, t - 1)]
     return jnp.stack([first, last, total], axis=1)
@@ -112,9 +113,11 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
-                 executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True):
+                 executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True,
+                 pools: bool = True):
         """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
-        that only pools (its steps sample nothing)."""
+        that only pools (its steps sample nothing); pools: False for a model that only generates (its steps
+        compute no pooling outputs)."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -122,7 +125,7 @@ class ModelRunner:
         # graphdef and flattening the nnx state on every call made dispatch 2.9-3.3 ms instead of 0.9 ms.
         self.params, state_def = jax.tree.flatten(state)
         self._graphdef = graphdef
-        self._jit = jax.jit(functools.partial(_step, graphdef, state_def, generates), donate_argnums=(1,))
+        self._jit = jax.jit(functools.partial(_step, graphdef, state_def, generates, pools), donate_argnums=(1,))
         self.executable_cache = executable_cache
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._build_lock = threading.Lock()  # builds run on a pool; the dict has one writer at a time

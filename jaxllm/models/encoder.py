@@ -181,8 +181,7 @@ class EncoderModel(nnx.Module):
         and the cache unchanged."""
         t = input_ids.shape[0]
         qsl = metadata.query_start_loc
-        seq_of_token = jnp.searchsorted(qsl, jnp.arange(t, dtype=qsl.dtype), side="right",
-                                        method="compare_all") - 1  # padding: past the last sequence
+        seq_of_token = metadata.sequence_of_token(t)  # padding: past the last sequence
         same_sequence = seq_of_token[:, None] == seq_of_token[None, :]  # [T, T]
         types = self._token_types(input_ids, seq_of_token, qsl)
         x = self.word_embeddings[...][input_ids] + self.token_type_embeddings[...][types] + \
