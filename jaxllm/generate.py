@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     runner, cfg = engine.runner, engine.config
     if not args.warmup:  # build the first step's shape and the decode step's together, not one after the other
         seqs = min(len(prepared) * args.n, cfg.max_num_seqs)
-        first = min(sum(len(ids) for _, ids in prepared) * args.n, cfg.max_num_batched_tokens)
+        first = min(sum(len(p.ids) for p in prepared) * args.n, cfg.max_num_batched_tokens)
         runner.prebuild([runner.bucket_for(first, seqs), runner.bucket_for(seqs, seqs)])
     for i, prep in enumerate(prepared):
         engine.add_request(str(i), prep[1], params, prepared=prep)

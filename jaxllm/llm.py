@@ -13,21 +13,27 @@ from jaxllm import scoring
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.multimodal.chat import chat_images
+from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
-Prompt = str | dict[str, Any]  # text, or {"prompt_token_ids": [...]} / {"prompt": "..."}, optionally "cache_salt"
+# text, or {"prompt_token_ids": [...]} / {"prompt": "..."}, optionally "cache_salt", and for a vision-language model
+# "multi_modal_data": {"image": PIL.Image or [PIL.Image, ...]} (one image placeholder per image in the prompt)
+Prompt = str | dict[str, Any]
 
 
 class LLM:
     """``LLM()`` serves the embedded SmolLM2; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint;
     ``LLM(model=module, tokenizer=tok)`` a model object built or edited in a notebook. Other keywords are
-    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a preset in jaxllm/configs/."""
+    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a preset in jaxllm/configs/.
+    image_policy: which image URLs `chat` loads (default: data: URLs only)."""
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
-                 preset: str | None = None, **engine_options: Any):
+                 preset: str | None = None, image_policy: ImagePolicy | None = None, **engine_options: Any):
+        self.image_policy = image_policy or ImagePolicy()
         path = model if isinstance(model, str) or model is None else None
         if preset:
             config = EngineConfig.from_preset(preset, model=path, **engine_options)
@@ -91,11 +97,13 @@ class LLM:
         # Validate everything before adding anything: a bad prompt or parameter leaves no request behind.
         prepared = []
         for prompt, p in zip(prompts, params, strict=True):
-            salt = None
+            salt, images = None, None
             if isinstance(prompt, dict):
                 salt = prompt.get("cache_salt")
+                images = (prompt.get("multi_modal_data") or {}).get("image")
+                images = [images] if images is not None and not isinstance(images, list | tuple) else images
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
-            prepared.append((self.engine.prepare_prompt(prompt, p, salt), p, salt))
+            prepared.append((self.engine.prepare_prompt(prompt, p, salt, images), p, salt))
         ids = []
         for (prep, p, salt) in prepared:
             request_id = str(next(self._ids))
@@ -111,9 +119,12 @@ class LLM:
         tok = self.engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer")
-        prompts = [{"prompt_token_ids": tok.apply_chat_template(
-            c, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {}))}
-            for c in conversations]
+        prompts = []
+        for c in conversations:  # image parts: image_url (data: URLs; http(s) with image_policy) and image_pil
+            c, images = chat_images(c, self.image_policy)
+            prompts.append({"prompt_token_ids": tok.apply_chat_template(
+                c, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})),
+                "multi_modal_data": {"image": images}})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:

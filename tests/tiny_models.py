@@ -55,9 +55,22 @@ TOKENIZER_CORPUS = [
 ]
 
 
-def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000) -> None:
+# Qwen2-VL's chat template, as its tokenizer_config.json has it (without the video and vision-id branches)
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    "You are a helpful assistant.<|im_end|>\n{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in content or "
+    "'image_url' in content %}<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+VL_SPECIAL_TOKENS = ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"]  # ids 1000..1003
+
+
+def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000, vision: bool = False) -> None:
     """A byte-level BPE tokenizer trained on a few sentences (every id below the tiny models' 1024 vocabulary)
-    with ChatML special tokens and chat template, so a tiny model serves chat and text prompts like a real one."""
+    with ChatML special tokens and chat template, so a tiny model serves chat and text prompts like a real one.
+    vision: plus Qwen-VL's image tokens (ids 1000..1003) and chat template."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -69,9 +82,13 @@ def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000) -> None:
                                                                          "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(TOKENIZER_CORPUS * 20, trainer)
+    if vision:  # reserved tokens up to 1000, then the image tokens
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+        tok.add_special_tokens(VL_SPECIAL_TOKENS)
+        assert tok.token_to_id(VL_SPECIAL_TOKENS[0]) == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": CHATML_TEMPLATE}))
+        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": QWEN_VL_TEMPLATE if vision else CHATML_TEMPLATE}))
 
 
 ST_POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
@@ -193,6 +210,10 @@ def build_tiny_qwen2_5_vl(folder: Path, flat_config: bool = False):
         for p in model.parameters():
             p.normal_(0, 0.08)
     model.save_pretrained(folder)
+    add_tiny_tokenizer(folder, vision=True)
+    (folder / "preprocessor_config.json").write_text(json.dumps({  # small images: a few dozen tokens each
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 48,
+        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
     if flat_config:
         raw = json.loads((folder / "config.json").read_text())
         text = raw.pop("text_config")

@@ -11,6 +11,9 @@ collided on purpose, the pattern behind vLLM's GHSA-rm76-4mrf-v9r8), and a hit i
 the page really holds: its token ids, its salt (first page), and the exact parent page and that page's
 generation (bumped each time a page is refilled). By induction from the first page, a verified chain holds
 exactly this sequence's prefix, whatever the hash does.
+
+A page holding image tokens (all the same image-pad id) is told apart by the content hashes of the images it
+holds, mixed into its hash and its key: the same image hits, two different images never share a page.
 """
 
 from __future__ import annotations
@@ -30,9 +33,20 @@ def root_hash(cache_salt: str | None) -> bytes:
     return hashlib.sha256(_ROOT + b"salt:" + cache_salt.encode()).digest()
 
 
-def page_hash(prev: bytes, tokens: list[int]) -> bytes:
-    """prev: the previous page's hash (or root_hash); tokens: one full page of token ids."""
-    return hashlib.sha256(prev + array("I", tokens).tobytes()).digest()
+def page_hash(prev: bytes, tokens: list[int], images: bytes = b"") -> bytes:
+    """prev: the previous page's hash (or root_hash); tokens: one full page of token ids; images: the content
+    hashes of the images with tokens in the page."""
+    h = hashlib.sha256(prev + array("I", tokens).tobytes())
+    if images:
+        h.update(b"images:" + images)
+    return h.digest()
+
+
+def _page_images(seq: Sequence, index: int, page_size: int) -> bytes:
+    mm = seq.request.mm
+    if mm is None:
+        return b""
+    return b"".join(im.hash for im in mm.images_in(index * page_size, (index + 1) * page_size))
 
 
 class BlockManager:
@@ -61,13 +75,13 @@ class BlockManager:
         return -(-num_tokens // self.page_size)
 
     # -- prefix cache
-    def _page_hash(self, prev: bytes, tokens: list[int]) -> bytes:
-        return page_hash(prev, tokens)
+    def _page_hash(self, prev: bytes, tokens: list[int], images: bytes = b"") -> bytes:
+        return page_hash(prev, tokens, images)
 
-    def _page_key(self, parent: int | None, salt: str | None, tokens: list[int]) -> tuple:
+    def _page_key(self, parent: int | None, salt: str | None, tokens: list[int], images: bytes = b"") -> tuple:
         if parent is None:
-            return None, None, salt, tuple(tokens)
-        return parent, self.generation[parent], None, tuple(tokens)
+            return None, None, salt, tuple(tokens), images
+        return parent, self.generation[parent], None, tuple(tokens), images
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
         """Pages holding the longest cached prefix of full pages, leaving at least one token to compute."""
@@ -79,10 +93,11 @@ class BlockManager:
         max_pages = (seq.num_tokens - 1) // self.page_size
         for i in range(max_pages):
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
-            h = self._page_hash(prev, tokens)
+            images = _page_images(seq, i, self.page_size)
+            h = self._page_hash(prev, tokens, images)
             page = self.page_of_hash.get(h)
             if page is None or self.key_of_page.get(page) != self._page_key(pages[-1] if pages else None, salt,
-                                                                             tokens):
+                                                                             tokens, images):
                 break  # a miss, or a hash collision: the page holds something else
             pages.append(page)
             prev = h
@@ -126,13 +141,14 @@ class BlockManager:
         for i in range(len(seq.page_hashes), full):
             prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
-            h = self._page_hash(prev, tokens)
+            images = _page_images(seq, i, self.page_size)
+            h = self._page_hash(prev, tokens, images)
             seq.page_hashes.append(h)
             page = seq.block_table[i]
             if h not in self.page_of_hash and page not in self.hash_of_page:
                 self.page_of_hash[h] = page
                 self.hash_of_page[page] = h
-                self.key_of_page[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens)
+                self.key_of_page[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens, images)
 
     def release(self, seq: Sequence) -> None:
         # Later pages first: the end of a prefix is the least likely to be reused, so it goes out first.

@@ -68,6 +68,14 @@ class EngineConfig:
     # ("no", "yes"), and the text a (query, document) pair becomes, with "{query}" and "{document}" in it.
     classifier_tokens: tuple[str, ...] | None = None
     score_template: str | None = None
+    # Vision-language models: images per prompt at most (vLLM's limit_mm_per_prompt for images); image tokens the
+    # encoder runs per step (default: max_num_batched_tokens), which is also the most one image may take (the
+    # preprocessor's pixel budget is lowered to fit); the encoder cache's capacity in image tokens (default: 4x
+    # the encoder budget); an upper bound on the preprocessor's max_pixels.
+    limit_mm_per_prompt: int = 4
+    encoder_budget: int | None = None
+    encoder_cache_tokens: int | None = None
+    mm_max_pixels: int | None = None
     # Compilation
     compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
     seed: int = 0
@@ -99,6 +107,11 @@ class EngineConfig:
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.pooling in (None, *POOLING_METHODS), f"pooling must be one of {', '.join(POOLING_METHODS)}"),
             (self.classifier_tokens is None or len(self.classifier_tokens) >= 1, "classifier_tokens must not be empty"),
+            (self.limit_mm_per_prompt >= 0, "limit_mm_per_prompt must be >= 0"),
+            (self.encoder_budget is None or self.encoder_budget >= 1, "encoder_budget must be >= 1"),
+            (self.encoder_cache_tokens is None or self.encoder_cache_tokens >= (self.encoder_budget or 1),
+             "encoder_cache_tokens must hold at least one step's encoder budget"),
+            (self.mm_max_pixels is None or self.mm_max_pixels >= 1, "mm_max_pixels must be >= 1"),
             (self.score_template is None or "{query}" in self.score_template and "{document}" in self.score_template,
              "score_template must contain {query} and {document}"),
         ]

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError, gevent_active
-from jaxllm.engine.frontend import Frontend
+from jaxllm.engine.frontend import Frontend, PreparedPrompt
 from jaxllm.errors import EngineBusyError, InvalidRequestError
+from jaxllm.multimodal.inputs import MultiModalSpec
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestLimits, SamplingParams
 
@@ -61,7 +62,8 @@ class EngineCoreClient:
                                                          max_model_len=info["max_model_len"], max_n=info["max_n"],
                                                          hidden_size=info["hidden_size"],
                                                          tasks=tuple(info["tasks"])),
-                               tuple(info["eos_token_ids"]), info["model_name"], info["score_template"])
+                               tuple(info["eos_token_ids"]), info["model_name"], info["score_template"],
+                               MultiModalSpec.from_dict(info["mm_spec"]) if info.get("mm_spec") else None)
         self._start_reader()
 
     def _connect(self) -> None:
@@ -97,12 +99,13 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput | Exception], None], cache_salt: str | None = None, *,
-                    prepared: tuple[str | None, list[int]] | None = None) -> None:
+                    prepared: PreparedPrompt | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine core is not connected")
-        text, ids = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
+        text, ids, mm = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
         self.requests[request_id] = proto.OutputAssembler(request_id, text, ids, on_output)
-        payload = proto.encode("add", request_id, text, ids, params, cache_salt)
+        payload = proto.encode("add", request_id, text, ids, params, cache_salt, *(() if mm is None else
+                                                                                    (mm.to_wire(),)))
         with self._lock:
             self.sock.send(payload)
         self.sent_since_stats.add(request_id)

@@ -5,16 +5,19 @@ Every message is a msgpack array whose first item names it:
 client -> core                                   core -> client
   ["hello"]                                        ["challenge", nonce]
   ["auth", hmac_sha256(secret, nonce)]             ["ready", info] | ["refused", reason]
-  ["add", id, text, ids, params, cache_salt]       ["outs", [item, ...]]  (one engine step's, for this client)
-    (params: SamplingParams, or PoolingParams)       item: ["out", id, delta]   (see OutputDeltas)
+  ["add", id, text, ids, params, cache_salt(,      ["outs", [item, ...]]  (one engine step's, for this client)
+         images)]                                    item: ["out", id, delta]   (see OutputDeltas)
+    (params: SamplingParams, or PoolingParams;
+     images: MultiModalInputs.to_wire)
                                                          | ["fail", id, kind, message]  (invalid | dead | error)
   ["abort", id]                                    ["fail", id, kind, message]  (an add refused at once;
                                                                                  kind full: at capacity)
                                                    ["stats", stats]       (also the core's heartbeat)
 
 The shared secret never crosses the wire: the core sends a fresh nonce and the client answers with its HMAC.
-The core only ever sees token ids and sampling parameters (prompts are tokenized and validated by the API side's
-`Frontend`); it sends outputs as deltas, so a long generation costs O(tokens), not O(tokens^2), on the wire."""
+The core only ever sees token ids, sampling parameters and preprocessed image patches (prompts are tokenized,
+images decoded and preprocessed, and both validated by the API side's `Frontend`; the core checks them again);
+it sends outputs as deltas, so a long generation costs O(tokens), not O(tokens^2), on the wire."""
 
 from __future__ import annotations
 

@@ -23,8 +23,10 @@ import zmq
 
 from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError, EngineLoop
+from jaxllm.engine.frontend import PreparedPrompt
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import EngineBusyError, InvalidRequestError
+from jaxllm.multimodal.inputs import images_from_wire
 
 logger = logging.getLogger("jaxllm.engine_core")
 STATS_INTERVAL_S = 0.2
@@ -47,6 +49,7 @@ class EngineCoreServer:
                      "vocab_size": engine.limits.vocab_size, "max_n": engine.limits.max_n,
                      "hidden_size": engine.limits.hidden_size, "tasks": list(engine.limits.tasks),
                      "score_template": engine.frontend.score_template,
+                     "mm_spec": engine.mm_spec.to_dict() if engine.mm_spec else None,
                      "eos_token_ids": list(engine.eos_token_ids), "max_num_seqs": engine.config.max_num_seqs,
                      "max_waiting_requests": engine.config.max_waiting_requests,
                      "page_size": engine.config.page_size}
@@ -159,14 +162,21 @@ class EngineCoreServer:
         for client in list(self.clients):
             self._send(client, payload)
 
-    def _add(self, core_id, text, ids, params, cache_salt, on_output) -> None:
-        prompt = (text, self.engine.prepare_prompt(ids, params, cache_salt)[1])  # validated again, here
+    def _add(self, core_id, text, ids, params, cache_salt, on_output, images=None) -> None:
+        if images is not None:
+            spec = self.engine.mm_spec
+            if spec is None:
+                raise InvalidRequestError("this model does not take images", "multi_modal_data")
+            images = images_from_wire(images, spec.patch_dim)
+        _, ids, mm = self.engine.prepare_prompt(ids, params, cache_salt, images)  # validated again, here
+        prompt = PreparedPrompt(text, ids, mm)
         self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
 
-    def _add_when_compiled(self, client, request_id, core_id, text, ids, params, cache_salt, on_output) -> None:
+    def _add_when_compiled(self, client, request_id, core_id, text, ids, params, cache_salt, on_output,
+                           images=None) -> None:
         """On the grammar thread (llguidance compiles with the GIL released): validate, compile, hand over."""
         try:
-            self._add(core_id, text, ids, params, cache_salt, on_output)
+            self._add(core_id, text, ids, params, cache_salt, on_output, images)
             self._compiled.put((client, core_id, None))
         except Exception as e:
             self._compiled.put((client, core_id, proto.encode("fail", request_id, _fail_kind(e), str(e))))
@@ -219,7 +229,8 @@ class EngineCoreServer:
         elif client not in self.clients:
             return  # nothing but a handshake from a client that has not passed one
         elif kind == "add":
-            _, request_id, text, ids, params, cache_salt = message
+            _, request_id, text, ids, params, cache_salt, *rest = message
+            images = rest[0] if rest else None
             core_id = f"{client.hex()}:{request_id}"
             on_output = self._callback(client, request_id, core_id)
             try:
@@ -233,9 +244,9 @@ class EngineCoreServer:
                     self._compiling.add(core_id)  # not on the thread that steps every other request
                     self.owned[client].add(core_id)
                     self._compiler.submit(self._add_when_compiled, client, request_id, core_id, text, list(ids),
-                                          params, cache_salt, on_output)
+                                          params, cache_salt, on_output, images)
                     return
-                self._add(core_id, text, list(ids), params, cache_salt, on_output)
+                self._add(core_id, text, list(ids), params, cache_salt, on_output, images)
             except Exception as e:  # the API side validated it already; refuse what still does not pass
                 self._send(client, proto.encode("fail", request_id, _fail_kind(e), str(e)))
                 return

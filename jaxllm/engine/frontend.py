@@ -9,9 +9,11 @@ caches behind its own lock)."""
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.multimodal.inputs import MultiModalInputs, MultiModalSpec
 from jaxllm.pooling_params import GENERATE, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
 from jaxllm.tokenizer.tokenizer import Tokenizer
@@ -26,12 +28,23 @@ def check_cache_salt(salt: str | None) -> None:
             raise InvalidRequestError(f"cache_salt must have 1 to {MAX_CACHE_SALT_CHARS} characters", "cache_salt")
 
 
+class PreparedPrompt(NamedTuple):
+    """A prompt ready for the engine: its text (if it was text), token ids (image placeholders expanded) and
+    images."""
+
+    text: str | None
+    ids: list[int]
+    mm: MultiModalInputs | None = None
+
+
 class Frontend:
     def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits, eos_token_ids: tuple[int, ...],
-                 model_name: str, score_template: str | None = None):
-        """score_template: how a decoder reranker reads a (query, document) pair (`jaxllm.scoring`)."""
+                 model_name: str, score_template: str | None = None, mm_spec: MultiModalSpec | None = None):
+        """score_template: how a decoder reranker reads a (query, document) pair (`jaxllm.scoring`); mm_spec: what
+        a vision-language model accepts (None: text only)."""
         self.tokenizer, self.limits, self.eos_token_ids, self.model_name = tokenizer, limits, eos_token_ids, model_name
         self.score_template = score_template
+        self.mm_spec = mm_spec
         if tokenizer is not None:
             tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
 
@@ -40,11 +53,14 @@ class Frontend:
         return self.limits.max_model_len
 
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:
+                       cache_salt: str | None = None, images: list | None = None) -> PreparedPrompt:
         """Tokenizes and validates a prompt, the sampling (or pooling) parameters against it and the model's
         limits, and the cache salt (the one validation every entry point goes through); safe to call from any
         thread. Raises InvalidRequestError naming the parameter. A pooling request's prompt may fill the whole
-        context (nothing is generated after it); with `truncate_prompt_tokens` only its last tokens are kept."""
+        context (nothing is generated after it); with `truncate_prompt_tokens` only its last tokens are kept.
+        images: Pillow images for the prompt's image placeholders (one image-pad token each, expanded here), or
+        preprocessed (patch rows, grid) pairs of a prompt already expanded (an engine core re-checking what an API
+        server sent: `MultiModalInputs.to_wire`)."""
         check_cache_salt(cache_salt)
         pooling = isinstance(params, PoolingParams)
         if pooling:
@@ -68,7 +84,10 @@ class Frontend:
                                       "prompt")
         if not ids:
             raise InvalidRequestError("the prompt is empty", "prompt")
+        ids, mm = self._images(ids, images)
         if pooling:
+            if mm is not None:
+                raise InvalidRequestError("pooling requests take text only", "multi_modal_data")
             if params.truncate_prompt_tokens is not None:
                 if params.truncate_prompt_tokens > self.max_model_len:
                     raise InvalidRequestError(f"truncate_prompt_tokens must be at most this model's maximum context "
@@ -78,7 +97,7 @@ class Frontend:
                 raise PromptTooLongError(f"the input has {len(ids)} tokens; this model's maximum context length is "
                                          f"{self.max_model_len} tokens (set truncate_prompt_tokens to keep only the "
                                          "last ones)")
-            return text, ids
+            return PreparedPrompt(text, ids)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"the prompt has {len(ids)} tokens; this model's maximum context length is "
                                      f"{self.max_model_len} tokens, including at least one generated token")
@@ -88,7 +107,23 @@ class Frontend:
             params.verify(self.limits, len(ids))
             if params.structured_outputs is not None:
                 self.grammars.matcher(params.structured_outputs)  # compiled (and cached) now: a bad one is refused
-        return text, ids
+        return PreparedPrompt(text, ids, mm)
+
+    def _images(self, ids: list[int], images: list | None) -> tuple[list[int], MultiModalInputs | None]:
+        spec = self.mm_spec
+        if spec is None:
+            if images:
+                raise InvalidRequestError("this model does not take images", "multi_modal_data")
+            return ids, None
+        images = list(images or ())
+        if not images and spec.image_token_id not in ids:
+            return ids, None
+        if images and all(isinstance(i, tuple) for i in images):
+            if len(images) > spec.max_images:
+                raise InvalidRequestError(f"{len(images)} images in one prompt; at most {spec.max_images} are "
+                                          "allowed", "multi_modal_data")
+            return ids, MultiModalInputs.build(ids, [r for r, _ in images], [g for _, g in images], spec)
+        return spec.prepare(ids, images)
 
     @functools.cached_property
     def grammars(self) -> GrammarCompiler:

@@ -20,8 +20,10 @@ from jaxllm.engine import compile_monitor, multihost
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.encoder_cache import EncoderCache
+from jaxllm.engine.encoder_runner import EncoderRunner, default_encoder_buckets
 from jaxllm.engine.executable_cache import ExecutableCache
-from jaxllm.engine.frontend import Frontend
+from jaxllm.engine.frontend import Frontend, PreparedPrompt
 from jaxllm.engine.model_runner import ModelRunner, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
@@ -31,6 +33,8 @@ from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.kernels import CPU_CACHE_DTYPES
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.multimodal.image_processor import ImageProcessorConfig
+from jaxllm.multimodal.inputs import MultiModalSpec
 from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, PooledState, Pooling, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams
@@ -119,21 +123,24 @@ class LLMEngine:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
         num_pages, self.max_model_len = self._size_kv_cache(model)
+        self.mm_spec, encoder, encoder_cache = self._multimodal(model, loaded)
         tasks = ((GENERATE,) if self.causal else ()) + ((EMBED,) if self.pooling is not None else ()) + \
             ((CLASSIFY,) if classifies else ())
         self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n,
                                     hidden_size=cfg.hidden_size, tasks=tasks)
         self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name,
-                                 score_template=config.score_template)
+                                 score_template=config.score_template, mm_spec=self.mm_spec)
         self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal)
+                                   max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal,
+                                   encoder_cache=encoder_cache, encoder_budget=self.mm_spec.max_image_tokens
+                                   if self.mm_spec else 0)
         start = time.perf_counter()
         self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
                                   max_model_len=self.max_model_len, buckets=config.buckets(),
                                   eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache,
                                   kv_cache_dtype=self.kv_cache_dtype, generates=GENERATE in tasks,
-                                  pools=tasks != (GENERATE,))
+                                  pools=tasks != (GENERATE,), encoder=encoder, encoder_cache=encoder_cache)
         self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -147,6 +154,8 @@ class LLMEngine:
             before = compile_monitor.snapshot()
             start = time.perf_counter()
             self.startup.buckets = self.runner.warmup()
+            if encoder is not None:
+                encoder.warmup()
             self.startup.warmup_s = time.perf_counter() - start
             after = compile_monitor.snapshot()
             self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
@@ -154,6 +163,25 @@ class LLMEngine:
         self._leader = None
         if config.num_hosts > 1 and config.host_rank == 0:
             self._lead_followers()
+
+    def _multimodal(self, model, loaded: LoadedModel | None):
+        """A vision-language model's spec (what requests may send), its encoder runner and encoder cache."""
+        if not getattr(model, "multimodal", False):
+            return None, None, None
+        c = self.config
+        if c.num_hosts > 1:
+            raise ConfigError("vision-language models run on one host")
+        processor = (loaded.image_processor if loaded is not None else None) or ImageProcessorConfig()
+        budget = c.encoder_budget or c.max_num_batched_tokens
+        pixels = budget * processor.factor ** 2  # an image's tokens are its pixels / factor**2
+        processor = dataclasses.replace(processor, max_pixels=min(processor.max_pixels, pixels, c.mm_max_pixels or
+                                                                  pixels),
+                                        min_pixels=min(processor.min_pixels, pixels, c.mm_max_pixels or pixels))
+        vl = model.vl_config
+        spec = MultiModalSpec(processor, vl.image_token_id, vl.vision_start_token_id, vl.vision_end_token_id,
+                              max_images=c.limit_mm_per_prompt, max_image_tokens=budget)
+        encoder = EncoderRunner(model.visual, default_encoder_buckets(budget, min(64, budget)))
+        return spec, encoder, EncoderCache(c.encoder_cache_tokens or 4 * budget)
 
     @staticmethod
     def _classifier_ids(model, tokenizer: Tokenizer | None, tokens: tuple[str, ...]) -> tuple[int, ...]:
@@ -220,8 +248,8 @@ class LLMEngine:
 
     # -- requests (validation and tokenization: the frontend's, shared by every serve mode)
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       cache_salt: str | None = None) -> tuple[str | None, list[int]]:
-        return self.frontend.prepare_prompt(prompt, params, cache_salt)
+                       cache_salt: str | None = None, images: list | None = None) -> PreparedPrompt:
+        return self.frontend.prepare_prompt(prompt, params, cache_salt, images)
 
     def check_text_fits(self, text: str) -> None:
         self.frontend.check_text_fits(text)
@@ -233,16 +261,17 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
                     on_output: Callable[[RequestOutput | PoolingRequestOutput], None] | None = None, *,
-                    prepared: tuple[str | None, list[int]] | None = None, cache_salt: str | None = None) -> Request:
+                    prepared: PreparedPrompt | None = None, cache_salt: str | None = None) -> Request:
         """prompt: text or token ids; prepared: the result of prepare_prompt (which also checked cache_salt), when
         already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids = prepared or self.prepare_prompt(prompt, params, cache_salt)
+        text, ids, mm = prepared or self.prepare_prompt(prompt, params, cache_salt)
         seed = getattr(params, "seed", None)
         seed = seed if seed is not None else self._rng.getrandbits(64)
-        request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt)
+        request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt,
+                          mm=mm)
         if isinstance(params, PoolingParams):  # validated by prepare_prompt: this engine pools
             seq = Sequence(request, 0, None)
             seq.pooled = PooledState(self.pooling)

@@ -27,6 +27,8 @@ from tqdm import tqdm
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.engine import compile_monitor
+from jaxllm.engine.encoder_cache import EncoderCache
+from jaxllm.engine.encoder_runner import EncoderRunner
 from jaxllm.engine.executable_cache import ExecutableCache, step_key
 from jaxllm.engine.sampler import SamplingTensors, sample
 from jaxllm.engine.scheduler import ScheduledStep
@@ -40,9 +42,13 @@ from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 UINT32 = 1 << 32
 
 
-def _step(graphdef, state_def, generates, pools, params, caches, ids, positions, meta, logit_rows, sampling):
+def _step(graphdef, state_def, generates, pools, params, caches, ids, positions, meta, logit_rows, sampling,
+          images=None):
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    hidden, caches = model.forward_paged(ids, positions, caches, meta)
+    if images is None:
+        hidden, caches = model.forward_paged(ids, positions, caches, meta)
+    else:  # a vision-language model: positions [3, T], images [T, E] (each image-pad token's embedding)
+        hidden, caches = model.forward_paged(ids, positions, caches, meta, image_embeds=images)
     s = logit_rows.shape[0]
     if generates:
         logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
@@ -114,10 +120,11 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
                  executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True,
-                 pools: bool = True):
+                 pools: bool = True, encoder: EncoderRunner | None = None, encoder_cache: EncoderCache | None = None):
         """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
         that only pools (its steps sample nothing); pools: False for a model that only generates (its steps
-        compute no pooling outputs)."""
+        compute no pooling outputs); encoder, encoder_cache: a vision-language model's image encoder, run on the
+        images a step schedules before the step, and where its outputs are kept."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -159,6 +166,11 @@ class ModelRunner:
         self.constants = {f"{kind}/{s}": a for s in self._no_history for kind, a in (
             ("history", self._no_history[s]), ("bias_ids", self._no_bias[s][0]),
             ("bias_values", self._no_bias[s][1]), ("mask", self._no_mask[s]))}
+        self.multimodal = getattr(model, "multimodal", False)
+        self.encoder, self.encoder_cache = encoder, encoder_cache
+        if self.multimodal:  # text-only steps pass these: nothing to transfer
+            self.image_token_id = model.vl_config.image_token_id
+            self._no_images = {t: put(np.zeros((t, cfg.hidden_size), model.dtype)) for t, _ in self.buckets}
         self._treedefs: dict[tuple[int, int], object] = {}
         self._leader = None  # multi-host rank 0: each step's inputs go to the other hosts first
         self._codec = None
@@ -327,9 +339,25 @@ class ModelRunner:
             self._treedefs[bucket] = jax.tree.structure(self._inputs(ScheduledStep([], []), bucket)[0])
         return self._treedefs[bucket]
 
+    def _image_embeds(self, step: ScheduledStep) -> dict[bytes, np.ndarray]:
+        """The embeddings of every image with tokens in the step, by hash: from the encoder cache, or encoded now
+        (those the scheduler put in `step.encode`)."""
+        found: dict[bytes, np.ndarray] = {}
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            if seq.request.mm is not None:
+                for im in seq.request.mm.images_in(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                    if im.hash not in found and (rows := self.encoder_cache.get(im.hash)) is not None:
+                        found[im.hash] = rows
+        todo = list({im.hash: im for im in step.encode if im.hash not in found}.values())
+        if todo:
+            for im, rows in zip(todo, self.encoder.encode(todo), strict=True):
+                self.encoder_cache.put(im.hash, rows)
+                found[im.hash] = rows
+        return found
+
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
         bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))
-        inputs, rows = self._inputs(step, bucket)
+        inputs, rows = self._inputs(step, bucket, self._image_embeds(step) if self.multimodal and step else None)
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
@@ -365,19 +393,31 @@ class ModelRunner:
         if key is not None:
             self.executable_cache.save(key, run)
 
-    def _inputs(self, step: ScheduledStep, bucket: tuple[int, int]) -> tuple[tuple, list[Sequence]]:
-        """The step's host inputs padded to `bucket`: (ids, positions, metadata, logit rows, sampling), and the
-        sequences that get a token, in row order."""
+    def _inputs(self, step: ScheduledStep, bucket: tuple[int, int],
+                embeds: dict[bytes, np.ndarray] | None = None) -> tuple[tuple, list[Sequence]]:
+        """The step's host inputs padded to `bucket`: (ids, positions, metadata, logit rows, sampling[, images]),
+        and the sequences that get a token, in row order. embeds: a vision-language model's image embeddings by
+        image hash (`_image_embeds`)."""
         t, s = bucket
         ids = np.zeros(t, np.int32)
-        positions = np.zeros(t, np.int32)
+        positions = np.zeros((3, t) if self.multimodal else t, np.int32)
+        images = None
         rows: list[Sequence] = []
         logit_rows = np.zeros(s, np.int32)
         at = 0
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens
             ids[at:at + n] = seq.token_ids[start:start + n]
-            positions[at:at + n] = np.arange(start, start + n)
+            mm = seq.request.mm
+            if mm is not None:
+                positions[:, at:at + n] = mm.position_rows(start, n)
+                for im in mm.images_in(start, start + n):
+                    if images is None:
+                        images = np.zeros(self._no_images[t].shape, self._no_images[t].dtype)
+                    a, b = max(start, im.offset), min(start + n, im.end)
+                    images[at + a - start:at + b - start] = embeds[im.hash][a - im.offset:b - im.offset]
+            else:
+                positions[..., at:at + n] = np.arange(start, start + n)
             at += n
             if start + n == seq.num_tokens and seq.pooled is None:  # the chunk reaches the end: sample a token
                 logit_rows[len(rows)] = at - 1
@@ -387,4 +427,7 @@ class ModelRunner:
                                                           zip(step.seqs, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
-        return (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s)), rows
+        inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s))
+        if self.multimodal:
+            inputs += (self._no_images[t] if images is None else images,)
+        return inputs, rows

@@ -1,7 +1,9 @@
 """Continuous-batching scheduler with a token budget per step.
 
 Each step: running sequences first (a decode takes one token, a prompt being prefilled takes its next chunk),
-then waiting ones in arrival order while the budget, the sequence limit and free pages allow. Long prompts
+then waiting ones in arrival order while the budget, the sequence limit and free pages allow. A chunk that reaches
+an image whose embeddings are not in the encoder cache schedules the image's encoding, within the encoder's own
+budget of image tokens per step; when that budget is spent, the chunk stops before the image. Long prompts
 are prefilled in chunks alongside decodes. When pages run out, the most recently admitted running sequence is
 preempted: its pages are freed and it goes back to the front of the queue to be recomputed later (prompt and
 generated tokens alike, mostly from the prefix cache).
@@ -13,13 +15,16 @@ import dataclasses
 from collections import deque
 
 from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.sequence import Sequence, SequenceStatus
+from jaxllm.multimodal.inputs import ImageItem
 
 
 @dataclasses.dataclass
 class ScheduledStep:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens computed this step
+    encode: list[ImageItem] = dataclasses.field(default_factory=list)  # images to encode before the step
 
     @property
     def num_tokens(self) -> int:
@@ -31,9 +36,11 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked: bool = True):
+                 chunked: bool = True, encoder_cache: EncoderCache | None = None, encoder_budget: int = 0):
         """chunked: prompts may be split over steps (a causal model); an encoder's inputs run whole, each within
-        one step's budget (the frontend refuses longer ones)."""
+        one step's budget (the frontend refuses longer ones). encoder_cache, encoder_budget: a vision-language
+        model's cache of image embeddings (read here, filled by the model runner) and image tokens encoded per
+        step at most."""
         self.bm = block_manager
         self.chunked = chunked
         self.max_num_seqs = max_num_seqs
@@ -41,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.encoder_cache, self.encoder_budget = encoder_cache, encoder_budget
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -62,6 +70,24 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _fit_images(self, seq: Sequence, start: int, n: int, step: ScheduledStep) -> int:
+        """Tokens of [start, start + n) this step can compute: up to the first image that is neither cached nor
+        encoded this step and does not fit the encoder's budget left (whose encoding is otherwise scheduled)."""
+        mm = seq.request.mm
+        if mm is None:
+            return n
+        queued = {im.hash for im in step.encode}
+        left = self.encoder_budget - sum(im.num_tokens for im in step.encode)
+        for im in mm.images_in(start, start + n):
+            if im.hash in queued or im.hash in self.encoder_cache:
+                continue
+            if im.num_tokens > left:
+                return max(0, im.offset - start)
+            step.encode.append(im)
+            queued.add(im.hash)
+            left -= im.num_tokens
+        return n
+
     def schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
@@ -70,6 +96,8 @@ class Scheduler:
             if seq not in self.running:  # preempted earlier in this loop
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 0 and seq.request.mm is not None:
+                n = self._fit_images(seq, seq.num_computed_tokens, n, step)
             if n <= 0:
                 continue
             while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
@@ -103,8 +131,15 @@ class Scheduler:
             n = min(seq.num_tokens - start, budget)
             if not self.chunked and n < seq.num_tokens - start:
                 break  # whole or not at all: the next step has the budget
+            if seq.request.mm is not None:
+                encode_before = len(step.encode)
+                n = self._fit_images(seq, start, n, step)
+                if n == 0:
+                    break
             if self.bm.pages_needed(start + n) - len(cached) > self.bm.num_free_pages - sum(
                     1 for p in cached if self.bm.ref_counts[p] == 0):
+                if seq.request.mm is not None:
+                    del step.encode[encode_before:]
                 break
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, cached)

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.multimodal.inputs import MultiModalInputs
 from jaxllm.outputs import Logprob
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -70,12 +71,14 @@ class Sequence:
 class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams | PoolingParams,
-                 seed: int, on_output: Callable | None = None, cache_salt: str | None = None):
+                 seed: int, on_output: Callable | None = None, cache_salt: str | None = None,
+                 mm: MultiModalInputs | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt  # requests with different salts never share prefix-cache pages
+        self.mm = mm  # a vision-language prompt's images and M-RoPE positions
         self.seed = seed  # the request's seed, or one drawn by the engine: sampling is reproducible per request
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import gc
+import json
 import logging
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from jaxllm.loading.gguf import gguf_config, gguf_quant_plan, gguf_tensors
 from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.hf import hf_tensors, load_hf_config
 from jaxllm.loading.quantize import QUANTIZATIONS, int8_plan, plan_label
+from jaxllm.loading.qwen_vl import is_vl_folder, load_qwen_vl, vl_eos_token_ids
 from jaxllm.loading.weights import ReadStats, assemble_model
 from jaxllm.models.llama import LlamaForCausalLM
+from jaxllm.multimodal.image_processor import ImageProcessorConfig
 from jaxllm.pooling_params import Pooling
 from jaxllm.sharding import check_tensor_parallel, make_mesh
 from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
@@ -45,6 +48,7 @@ class LoadedModel:
     name: str
     bytes_read: int = 0  # of the checkpoint, by this process (over several hosts: its devices' share)
     pooling: Pooling | None = None  # a sentence-transformers folder's pooling (the model then embeds)
+    image_processor: ImageProcessorConfig | None = None  # a vision-language model's preprocessing
 
 
 def _resolve(path: str | Path | None) -> Path:
@@ -65,7 +69,7 @@ def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
         return tokenizer_from_gguf(g.metadata, str(p))
     if (p / "tokenizer.json").is_file():
         eos = load_checkpoint_config(p).eos_token_ids if is_orbax_checkpoint(p) else \
-            load_hf_config(p).eos_token_ids
+            vl_eos_token_ids(p) if is_vl_folder(p) else load_hf_config(p).eos_token_ids
         return tokenizer_from_hf_folder(p, eos)
     return None
 
@@ -132,6 +136,12 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
             raise LoadError(f"{p}: encoders run on one device with float weights")
         model, tokenizer = load_encoder(p, dt)
         cfg, plan = model.config, {}
+    elif is_vl_folder(p):
+        if quantization not in ("auto", "none"):
+            raise LoadError(f"{p}: vision-language models load with float weights")
+        model = load_qwen_vl(p, dtype=dt, kernels=kernels, mesh=mesh, read_stats=read)
+        model.language.stack_layers()
+        cfg, plan = model.config, {}
     else:
         cfg = load_hf_config(p)
         check_tensor_parallel(cfg, tp)
@@ -152,5 +162,12 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         pooling = Pooling.from_sentence_transformers(p) if p.is_dir() else None
     except (OSError, ValueError) as e:
         raise LoadError(f"{p}: {e}") from None
+    image_processor = None
+    if getattr(model, "multimodal", False):
+        try:
+            raw = json.loads((p / "preprocessor_config.json").read_text())
+            image_processor = ImageProcessorConfig.from_hf(raw)
+        except (OSError, ValueError, TypeError) as e:
+            raise LoadError(f"{p}/preprocessor_config.json: {e}") from None
     return LoadedModel(model=model, tokenizer=tokenizer, config=cfg, mesh=mesh, name=name, bytes_read=read.bytes,
-                       pooling=pooling)
+                       pooling=pooling, image_processor=image_processor)

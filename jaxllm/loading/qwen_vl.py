@@ -28,6 +28,13 @@ def is_vl_folder(folder: Path) -> bool:
     return bool(raw.get("architectures")) and raw["architectures"][0] in VL_ARCHITECTURES
 
 
+def vl_eos_token_ids(folder: Path) -> tuple[int, ...]:
+    try:
+        return VLConfig.from_hf(json.loads((folder / "config.json").read_text())).text.eos_token_ids
+    except ConfigError as e:
+        raise LoadError(f"{folder}/config.json: {e}") from None
+
+
 def load_qwen_vl(folder: Path, *, dtype, kernels: Kernels, mesh: Mesh,
                  read_stats: ReadStats | None = None) -> QwenVLForConditionalGeneration:
     try:

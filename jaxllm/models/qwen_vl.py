@@ -106,9 +106,36 @@ class QwenVLForConditionalGeneration(nnx.Module):
     def __init__(self, cfg: VLConfig, language: LlamaForCausalLM, visual: QwenVisionEncoder):
         self.vl_config, self.language, self.visual = cfg, language, visual
 
+    multimodal = True
+
     @property
     def config(self) -> ModelConfig:
         return self.language.config
+
+    @property
+    def dtype(self):
+        return self.language.dtype
+
+    @property
+    def kernels(self):
+        return self.language.kernels
+
+    @property
+    def quant_plan(self):
+        return self.language.quant_plan
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        return self.language.logits(hidden)
+
+    def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache, metadata,
+                      image_embeds: jax.Array | None = None):
+        """The engine's step: input_ids [T], positions [3, T], image_embeds [T, E]: row i is token i's image
+        embedding where token i is an image-pad token (computed by the encoder beforehand; other rows unused)."""
+        embeds = self.language.embed_tokens(input_ids)
+        if image_embeds is not None:
+            is_image = (input_ids == self.vl_config.image_token_id)[:, None]
+            embeds = jnp.where(is_image, image_embeds.astype(embeds.dtype), embeds)
+        return self.language.forward_paged(input_ids, positions, kv_cache, metadata, inputs_embeds=embeds)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, rows: jax.Array | None = None,
                  layout: VisionLayout | None = None) -> jax.Array:
