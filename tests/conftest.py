@@ -66,6 +66,15 @@ def tiny_encoder_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory):
+    """A tiny random Qwen2.5-VL folder with a tokenizer (image tokens 1000..1003, Qwen-VL's chat template) and a
+    small preprocessor pixel budget, and the transformers model it was saved from: (folder, hf_model)."""
+    from tests.tiny_models import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_vl"))
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     from jaxllm.loading.embedded import embedded_model_path
 
