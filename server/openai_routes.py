@@ -12,6 +12,8 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, stream_
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.multimodal.chat import chat_images, has_images
+from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.reasoning import reasoning_parser
@@ -29,6 +31,7 @@ from server.tool_calls import ChoiceStream, tool_mode
 from server.tool_calls import message as tool_message
 
 bp = Blueprint("openai", __name__)
+IMAGE_COST_CHARS = 1 << 20  # decoding an image costs like tokenizing this much text: always off the hub thread
 access_log = logging.getLogger("jaxllm.access")
 
 
@@ -44,30 +47,38 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
 
 
 def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams, cache_salt: str | None,
-          prompt_param: str = "prompt") -> Generation:
+          prompt_param: str = "prompt", images: list | None = None) -> Generation:
     """Validates and tokenizes the prompts (or a pooling request's inputs) off the hub thread, then hands them to
-    the engine."""
+    the engine. images: a single prompt's images (decoded), preprocessed there too."""
     engine = state().engine
     try:
-        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt)
-                    for p in prompts]
+        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt,
+                            *((images,) if images else ())) for p in prompts]
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
     except InvalidRequestError as e:
+        if e.param == "multi_modal_data":  # what the HTTP request called it
+            e.param = prompt_param
         raise invalid(e) from None
     environ = request.environ
     return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
 
 
-def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
     """Renders the chat template and tokenizes it; refuses a rendering too long to fit before tokenizing it.
-    Runs on a worker thread: no Flask context here."""
+    Returns the token ids and the messages' images (loaded under `policy`, decoded). Runs on a worker thread: no
+    Flask context here."""
     messages = [m.as_template_input() for m in req.messages]
+    images = []
+    if has_images(messages):
+        if engine.mm_spec is None:
+            raise InvalidRequestError("this model does not take images", "messages")
+        messages, images = chat_images(messages, policy)
     tools = {"tools": req.tool_definitions()} if req.uses_tools() else {}
     text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                 **(req.chat_template_kwargs or {}), **tools)
     engine.check_text_fits(text)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
+    return engine.tokenizer.encode(text, add_special_tokens=False), images
 
 
 def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
@@ -213,12 +224,15 @@ def chat_completions():
         parser = tool_parser(st.settings.tool_call_parser or parser_for_template(
             tok.chat_template.source if tok.chat_template else None))
     try:
-        ids = offload(req.text_chars(), chat_prompt_ids, st.engine, req)
+        ids, images = offload(req.text_chars() + IMAGE_COST_CHARS * sum(m.has_images() for m in req.messages),
+                              chat_prompt_ids, st.engine, req, st.settings.image_policy)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
+    except InvalidRequestError as e:
+        raise APIError(400, str(e), param="messages") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    gen = start([ids], params, req.cache_salt, prompt_param="messages")
+    gen = start([ids], params, req.cache_salt, prompt_param="messages", images=images)
     created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:

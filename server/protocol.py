@@ -191,16 +191,24 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class ImageURL(_Model):
+    url: Annotated[str, Field(min_length=1)]  # a data: URL (base64), or http(s) when the server allows it
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(_Model):
     type: Literal["text", "image_url", "input_audio", "file", "refusal"]
     text: str | None = None
+    image_url: ImageURL | None = None
 
     @model_validator(mode="after")
-    def _text_only(self):
-        if self.type != "text":
-            raise ValueError(f"content part type {self.type!r} is not supported by this model")
-        if self.text is None:
+    def _supported(self):
+        if self.type not in ("text", "image_url"):
+            raise ValueError(f"content part type {self.type!r} is not supported")
+        if self.type == "text" and self.text is None:
             raise ValueError("a text content part needs 'text'")
+        if self.type == "image_url" and self.image_url is None:
+            raise ValueError("an image_url content part needs 'image_url'")
         return self
 
 
@@ -243,9 +251,20 @@ class ChatMessage(_Model):
     tool_calls: Annotated[list[ToolCallIn], Field(max_length=128)] | None = None  # assistant messages
     tool_call_id: Annotated[str, Field(max_length=256)] | None = None  # tool messages
 
-    def as_template_input(self) -> dict[str, Any]:
+    def text(self) -> str:
         content = self.content
-        if isinstance(content, list):
+        return "".join(part.text or "" for part in content) if isinstance(content, list) else content or ""
+
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+
+    def as_template_input(self) -> dict[str, Any]:
+        """The message as chat templates read it: text parts joined, unless it holds images (then its parts, for
+        `jaxllm.multimodal.chat.chat_images` to load)."""
+        content = self.content
+        if self.has_images():
+            content = [part.model_dump(exclude_none=True) for part in content]
+        elif isinstance(content, list):
             content = "".join(part.text or "" for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
@@ -270,11 +289,11 @@ def _arguments(text: str) -> Any:
 
 def message_chars(messages: list[ChatMessage]) -> int:
     """Characters of message text (what templating and tokenizing cost grows with)."""
-    return sum(len(m.as_template_input()["content"]) for m in messages)
+    return sum(len(m.text()) for m in messages)
 
 
 def _check_messages(messages: list[ChatMessage]) -> None:
-    if not any(m.as_template_input()["content"].strip() or m.tool_calls for m in messages):
+    if not any(m.text().strip() or m.tool_calls or m.has_images() for m in messages):
         raise ValueError("messages: every message is empty or whitespace")
 
 

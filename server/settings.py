@@ -11,6 +11,12 @@ JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 3
 default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing the model's, as vLLM's
 --chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template),
 JAXLLM_REASONING_PARSER (qwen3, deepseek_r1: <think> blocks go to reasoning_content; default: off).
+Vision-language models: JAXLLM_LIMIT_MM_PER_PROMPT (images per prompt, default 4), JAXLLM_ENCODER_BUDGET (image tokens
+encoded per step, default max_num_batched_tokens), JAXLLM_ENCODER_CACHE_TOKENS, JAXLLM_MM_MAX_PIXELS;
+JAXLLM_ALLOW_REMOTE_IMAGES (fetch http(s) image_url at all; default false: data: URLs only),
+JAXLLM_ALLOWED_MEDIA_DOMAINS (comma-separated hosts, subdomains included, that remote images may come from; empty:
+any), JAXLLM_MAX_IMAGE_BYTES (default 20 MiB), JAXLLM_MAX_IMAGE_PIXELS (decoded size, default 8192 x 8192),
+JAXLLM_IMAGE_FETCH_TIMEOUT (seconds, default 10).
 TLS is gunicorn's (gunicorn.conf.py): JAXLLM_SSL_CERTFILE and JAXLLM_SSL_KEYFILE.
 Serve modes (see README): JAXLLM_ENGINE_ADDRESS (a ZeroMQ address, e.g. tcp://10.0.0.5:5555 or ipc:///run/core:
 use the engine-core process there instead of an engine in this process) with JAXLLM_ENGINE_SECRET (the secret
@@ -25,6 +31,7 @@ import os
 from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig
+from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
 
@@ -43,6 +50,7 @@ _ENGINE_ENV = {
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
     "pooling": str, "normalize_embeddings": _flag, "score_template": str,
     "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
+    "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,
 }
 
 
@@ -59,6 +67,7 @@ class ServerSettings:
     engine_address: str | None = None  # an engine-core process to use; None: the engine runs in this process
     engine_secret: str | None = None  # shared with that engine core
     startup_timeout_s: float = 600.0  # how long to wait for the engine core's handshake
+    image_policy: ImagePolicy = ImagePolicy()  # which image_url parts are loaded, and their limits
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -85,4 +94,15 @@ class ServerSettings:
                    tool_call_parser=parser, reasoning_parser=reasoning,
                    engine_address=env.get("JAXLLM_ENGINE_ADDRESS") or None,
                    engine_secret=env.get("JAXLLM_ENGINE_SECRET") or None,
-                   startup_timeout_s=float(env.get("JAXLLM_WORKER_TIMEOUT", 600)))
+                   startup_timeout_s=float(env.get("JAXLLM_WORKER_TIMEOUT", 600)),
+                   image_policy=_image_policy(env))
+
+
+def _image_policy(env: dict[str, str]) -> ImagePolicy:
+    default = ImagePolicy()
+    hosts = env.get("JAXLLM_ALLOWED_MEDIA_DOMAINS", "")
+    return ImagePolicy(max_bytes=int(env.get("JAXLLM_MAX_IMAGE_BYTES", default.max_bytes)),
+                       max_pixels=int(env.get("JAXLLM_MAX_IMAGE_PIXELS", default.max_pixels)),
+                       allow_remote=_flag(env.get("JAXLLM_ALLOW_REMOTE_IMAGES", "false")),
+                       allowed_hosts=tuple(h.strip().lower() for h in hosts.split(",") if h.strip()),
+                       timeout_s=float(env.get("JAXLLM_IMAGE_FETCH_TIMEOUT", default.timeout_s)))

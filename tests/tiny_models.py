@@ -88,7 +88,8 @@ def add_tiny_tokenizer(folder: Path, vocab_size: int = 1000, vision: bool = Fals
         assert tok.token_to_id(VL_SPECIAL_TOKENS[0]) == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": None, "eos_token": "<|im_end|>", "chat_template": QWEN_VL_TEMPLATE if vision else CHATML_TEMPLATE}))
+        "bos_token": None, "eos_token": "<|im_end|>",
+        "chat_template": QWEN_VL_TEMPLATE if vision else CHATML_TEMPLATE}))
 
 
 ST_POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",

@@ -102,7 +102,7 @@ class EngineCoreClient:
                     prepared: PreparedPrompt | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine core is not connected")
-        text, ids, mm = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
+        text, ids, mm = PreparedPrompt(*(prepared or self.engine.prepare_prompt(prompt, params, cache_salt)))
         self.requests[request_id] = proto.OutputAssembler(request_id, text, ids, on_output)
         payload = proto.encode("add", request_id, text, ids, params, cache_salt, *(() if mm is None else
                                                                                     (mm.to_wire(),)))

@@ -267,7 +267,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        text, ids, mm = prepared or self.prepare_prompt(prompt, params, cache_salt)
+        text, ids, mm = PreparedPrompt(*(prepared or self.prepare_prompt(prompt, params, cache_salt)))
         seed = getattr(params, "seed", None)
         seed = seed if seed is not None else self._rng.getrandbits(64)
         request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt,

@@ -1,6 +1,8 @@
 """Prefix-cache isolation: SHA-256 page hashes, every hit checked against what the page really holds, and
 `cache_salt` keeping tenants' pages apart (vLLM advisory GHSA-rm76-4mrf-v9r8 is the attack this stops)."""
 
+import pytest
+
 from jaxllm.engine import block_manager as bm_module
 from jaxllm.engine.block_manager import BlockManager, page_hash, root_hash
 from jaxllm.engine.scheduler import Scheduler
@@ -33,7 +35,7 @@ def test_hashes_are_sha256_chained_and_salted():
 def test_a_forced_hash_collision_reuses_no_wrong_page(monkeypatch):
     """With the hash made constant (every page collides), a prompt sharing no tokens with the cached one
     must get no cached page, while the real prefix still hits (the check is on contents, not on the hash)."""
-    monkeypatch.setattr(bm_module, "page_hash", lambda prev, tokens: b"\0" * 32)
+    monkeypatch.setattr(bm_module, "page_hash", lambda prev, tokens, images=b"": b"\0" * 32)
     bm = BlockManager(64, PAGE)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
     victim = list(range(100, 113))  # 3 full pages + 1 token
@@ -47,6 +49,33 @@ def test_a_forced_hash_collision_reuses_no_wrong_page(monkeypatch):
     assert len(bm.cached_prefix(mixed.seqs[0])) <= 1
     same = make_request("same", victim)
     assert len(bm.cached_prefix(same.seqs[0])) == 1  # a true hit still works (the one registered page)
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_pages_of_different_images_are_never_shared(monkeypatch, collide):
+    """Image tokens are all the same id: the image's content hash tells pages apart, in the hash and in the key a
+    hit is checked against (so even with every hash colliding, a different image gets no page)."""
+    import numpy as np
+
+    from jaxllm.engine.encoder_cache import EncoderCache
+    from jaxllm.multimodal.inputs import ImageItem, MultiModalInputs
+
+    if collide:
+        monkeypatch.setattr(bm_module, "page_hash", lambda prev, tokens, images=b"": b"\0" * 32)
+
+    def with_image(rid: str, digest: bytes):
+        prompt = [5, 6, 7] + [99] * 8 + [8, 9, 10]  # the image's run straddles pages 0-2 (PAGE tokens each)
+        request = make_request(rid, prompt)
+        request.mm = MultiModalInputs((ImageItem(np.zeros((32, 4), np.float32), (1, 4, 8), 3, 8, digest),),
+                                      np.zeros((3, len(prompt)), np.int32), 0)
+        return request
+
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64, encoder_cache=EncoderCache(64),
+                      encoder_budget=64)
+    admit_and_compute(sched, bm, with_image("a", b"a" * 32))
+    assert len(bm.cached_prefix(with_image("a2", b"a" * 32).seqs[0])) == (1 if collide else 3)
+    assert bm.cached_prefix(with_image("b", b"b" * 32).seqs[0]) == []  # page 0 already holds image tokens
 
 
 def test_a_collision_with_a_refilled_parent_page_is_refused(monkeypatch):
