@@ -35,8 +35,11 @@ class RopeConfig:
     # Per-frequency divisors stored by llama.cpp (`rope_freqs.weight`) in place of llama3 metadata.
     freq_factors: tuple[float, ...] | None = None
     # Multimodal rotary positions (Qwen-VL): the frequency slots (head_dim / 2 in all) that rotate by the temporal,
-    # height and width position; positions are then [3, ...].
+    # height and width position; positions are then [3, ...]. Interleaved (Qwen3-VL): slot j rotates by height if
+    # j % 3 == 1 and j < 3 * sections[1], by width if j % 3 == 2 and j < 3 * sections[2], else by time (Qwen2.5-VL:
+    # the sections are consecutive runs).
     mrope_section: tuple[int, ...] | None = None
+    mrope_interleaved: bool = False
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:

@@ -75,6 +75,14 @@ def tiny_vl_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_vl_dir(tmp_path_factory):
+    """As `tiny_vl_dir`, a tiny random Qwen3-VL (interleaved M-RoPE, DeepStack)."""
+    from tests.tiny_models import build_tiny_qwen2_5_vl
+
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_qwen3_vl"), family="qwen3_vl")
+
+
+@pytest.fixture(scope="session")
 def smollm2_path():
     from jaxllm.loading.embedded import embedded_model_path
 

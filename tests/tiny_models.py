@@ -187,34 +187,51 @@ def build_tiny_encoder(folder: Path, family: str = "bert", classifier: bool = Fa
     return folder, model
 
 
-def build_tiny_qwen2_5_vl(folder: Path, flat_config: bool = False):
+def build_tiny_qwen2_5_vl(folder: Path, flat_config: bool = False, family: str = "qwen2_5_vl"):
     """A tiny random Qwen2.5-VL (2 text layers with M-RoPE sections (2, 3, 3); a 2-block vision encoder, one of
-    them full attention) saved by transformers; `flat_config` rewrites config.json in the flat layout most
-    published Qwen2.5-VL folders use (text fields at the top, ``rope_scaling: {type: mrope}``). Returns (folder,
-    hf_model); image-pad / vision-start / vision-end token ids 1000 / 1002 / 1003."""
+    them full attention) or Qwen3-VL (`family="qwen3_vl"`: 3 Qwen3 layers, interleaved M-RoPE; a 3-block vision
+    encoder with 16-pixel patches, an 8 x 8 position table and DeepStack taps after blocks 0 and 1) saved by
+    transformers, with a tokenizer (Qwen-VL chat template) and a small preprocessor pixel budget; `flat_config`
+    rewrites a Qwen2.5-VL config.json in the flat layout most published folders use (text fields at the top,
+    ``rope_scaling: {type: mrope}``). Returns (folder, hf_model); image-pad / vision-start / vision-end token ids
+    1000 / 1002 / 1003."""
     import json
 
     import torch
     import transformers
 
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
-        vision_config=dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
-                           fullatt_block_indexes=[1]),
-        image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003,
-        bos_token_id=None, eos_token_id=None)
+    ids = dict(image_token_id=1000, video_token_id=1001, vision_start_token_id=1002, vision_end_token_id=1003)
+    qwen3 = family == "qwen3_vl"
+    if qwen3:
+        config = transformers.Qwen3VLConfig(
+            text_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                              "mrope_interleaved": True, "rope_theta": 10000.0}),
+            vision_config=dict(depth=3, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                               patch_size=16, num_position_embeddings=64, deepstack_visual_indexes=[0, 1]), **ids)
+        model_class = transformers.Qwen3VLForConditionalGeneration
+    else:
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                              "rope_theta": 10000.0}),
+            vision_config=dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
+                               fullatt_block_indexes=[1]), bos_token_id=None, eos_token_id=None, **ids)
+        model_class = transformers.Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(3)
-    model = transformers.Qwen2_5_VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.08)
     model.save_pretrained(folder)
     add_tiny_tokenizer(folder, vision=True)
+    factor = 32 if qwen3 else 28
     (folder / "preprocessor_config.json").write_text(json.dumps({  # small images: a few dozen tokens each
-        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": 28 * 28 * 4, "max_pixels": 28 * 28 * 48,
-        "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2}))
+        "image_processor_type": "Qwen2VLImageProcessor", "min_pixels": factor * factor * 4,
+        "max_pixels": factor * factor * 48, "patch_size": factor // 2, "temporal_patch_size": 2, "merge_size": 2,
+        **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if qwen3 else {})}))
     if flat_config:
         raw = json.loads((folder / "config.json").read_text())
         text = raw.pop("text_config")

@@ -15,7 +15,7 @@ class EncoderCache:
         if capacity_tokens < 1:
             raise ValueError("the encoder cache needs a capacity of at least one token")
         self.capacity_tokens = capacity_tokens
-        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()  # hash -> [tokens, E], LRU first
+        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()  # hash -> [levels, tokens, E], LRU first
         self.num_tokens = 0
         self.hits = 0  # images found here when a step needed them
         self.encoded = 0  # images the encoder ran on
@@ -36,9 +36,9 @@ class EncoderCache:
     def put(self, key: bytes, rows: np.ndarray) -> None:
         self.encoded += 1
         if key in self._entries:
-            self.num_tokens -= len(self._entries.pop(key))
+            self.num_tokens -= self._entries.pop(key).shape[-2]
         self._entries[key] = rows
-        self.num_tokens += len(rows)
+        self.num_tokens += rows.shape[-2]
         while self.num_tokens > self.capacity_tokens and len(self._entries) > 1:
             _, old = self._entries.popitem(last=False)
-            self.num_tokens -= len(old)
+            self.num_tokens -= old.shape[-2]

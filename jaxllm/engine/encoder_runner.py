@@ -12,13 +12,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from jaxllm.models.qwen_vision import QwenVisionEncoder, vision_layout
 from jaxllm.multimodal.inputs import ImageItem
 
 
 def _encode(graphdef, state_def, params, rows, layout):
     encoder = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    return encoder(rows, layout)
+    return encoder.features(rows, layout)
 
 
 def default_encoder_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
@@ -30,9 +29,11 @@ def default_encoder_buckets(max_tokens: int, smallest: int = 64) -> list[int]:
 
 
 class EncoderRunner:
-    def __init__(self, encoder: QwenVisionEncoder, buckets: list[int]):
-        """buckets: image tokens per encoder run (the patch count is merge_unit times that)."""
+    def __init__(self, encoder: nnx.Module, buckets: list[int]):
+        """encoder: a vision encoder (`layout(grids)` on the host, `features(rows, layout)` -> [levels, tokens, E]);
+        buckets: image tokens per encoder run (the patch count is merge_unit times that)."""
         self.config = encoder.config
+        self._layout = encoder.layout
         graphdef, state = nnx.split(encoder)
         self.params, state_def = jax.tree.flatten(state)
         self._jit = jax.jit(functools.partial(_encode, graphdef, state_def))
@@ -56,7 +57,7 @@ class EncoderRunner:
         grids = [g for _, g in images]
         if bucket > tokens:  # the padding as one image of (m, (bucket - tokens) * m) patches
             grids.append((1, m, (bucket - tokens) * m))
-        return rows, vision_layout(grids, cfg)
+        return rows, self._layout(grids)
 
     def _executable(self, bucket: int) -> jax.stages.Compiled:
         run = self._executables.get(bucket)
@@ -71,7 +72,7 @@ class EncoderRunner:
             jax.block_until_ready(self._executable(bucket)(self.params, rows, layout))
 
     def encode(self, images: list[ImageItem]) -> list[np.ndarray]:
-        """Each image's embeddings [num_tokens, out_hidden_size] (float32, host), in order."""
+        """Each image's embeddings [levels, num_tokens, out_hidden_size] (float32, host), in order."""
         out: list[np.ndarray] = []
         group: list[ImageItem] = []
         for im in images:
@@ -87,7 +88,7 @@ class EncoderRunner:
         tokens = sum(im.num_tokens for im in group)
         bucket = next(b for b in self.buckets if b >= tokens)
         rows, layout = self._inputs([(im.rows, im.grid) for im in group], bucket)
-        embeds = np.asarray(self._executable(bucket)(self.params, rows, layout))  # [bucket, E]
+        embeds = np.asarray(self._executable(bucket)(self.params, rows, layout))  # [levels, bucket, E]
         self.runs += 1
         bounds = np.cumsum([0] + [im.num_tokens for im in group])
-        return [embeds[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return [embeds[:, a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -47,7 +47,7 @@ def _step(graphdef, state_def, generates, pools, params, caches, ids, positions,
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     if images is None:
         hidden, caches = model.forward_paged(ids, positions, caches, meta)
-    else:  # a vision-language model: positions [3, T], images [T, E] (each image-pad token's embedding)
+    else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
         hidden, caches = model.forward_paged(ids, positions, caches, meta, image_embeds=images)
     s = logit_rows.shape[0]
     if generates:
@@ -170,7 +170,8 @@ class ModelRunner:
         self.encoder, self.encoder_cache = encoder, encoder_cache
         if self.multimodal:  # text-only steps pass these: nothing to transfer
             self.image_token_id = model.vl_config.image_token_id
-            self._no_images = {t: put(np.zeros((t, cfg.hidden_size), model.dtype)) for t, _ in self.buckets}
+            levels = model.visual.feature_levels
+            self._no_images = {t: put(np.zeros((levels, t, cfg.hidden_size), model.dtype)) for t, _ in self.buckets}
         self._treedefs: dict[tuple[int, int], object] = {}
         self._leader = None  # multi-host rank 0: each step's inputs go to the other hosts first
         self._codec = None
@@ -415,7 +416,7 @@ class ModelRunner:
                     if images is None:
                         images = np.zeros(self._no_images[t].shape, self._no_images[t].dtype)
                     a, b = max(start, im.offset), min(start + n, im.end)
-                    images[at + a - start:at + b - start] = embeds[im.hash][a - im.offset:b - im.offset]
+                    images[:, at + a - start:at + b - start] = embeds[im.hash][:, a - im.offset:b - im.offset]
             else:
                 positions[..., at:at + n] = np.arange(start, start + n)
             at += n

@@ -1,6 +1,6 @@
-"""Hugging Face folders of Qwen2.5-VL: the language model's tensors go through the decoder's loader (renamed to its
-layout: transformers 5's ``model.language_model.*`` or the flat ``model.*``), the vision encoder's (``visual.*`` or
-``model.visual.*``) into `QwenVisionEncoder`."""
+"""Hugging Face folders of Qwen2.5-VL and Qwen3-VL: the language model's tensors go through the decoder's loader
+(renamed to its layout: transformers 5's ``model.language_model.*`` or the flat ``model.*``), the vision encoder's
+(``visual.*`` or ``model.visual.*``) into `QwenVisionEncoder` / `Qwen3VisionEncoder`."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.hf import hf_tensors
 from jaxllm.loading.weights import ReadStats, assemble_model
+from jaxllm.models.qwen3_vision import Qwen3VisionConfig, Qwen3VisionEncoder, qwen3_vision_parameter_names
 from jaxllm.models.qwen_vision import QwenVisionEncoder, load_vision_arrays
 from jaxllm.models.qwen_vl import VL_ARCHITECTURES, QwenVLForConditionalGeneration, VLConfig
 
@@ -53,9 +54,12 @@ def load_qwen_vl(folder: Path, *, dtype, kernels: Kernels, mesh: Mesh,
 
     language = assemble_model(cfg.text, language_tensors(), dtype=dtype, kernels=kernels, mesh=mesh,
                               read_stats=read_stats)
-    encoder = QwenVisionEncoder(cfg.vision)
+    if isinstance(cfg.vision, Qwen3VisionConfig):
+        encoder, names = Qwen3VisionEncoder(cfg.vision), qwen3_vision_parameter_names(cfg.vision)
+    else:
+        encoder, names = QwenVisionEncoder(cfg.vision), None
     try:
-        load_vision_arrays(encoder, vision)
+        load_vision_arrays(encoder, vision, names)
     except ConfigError as e:
         raise LoadError(f"{folder}: {e}") from None
     return QwenVLForConditionalGeneration(cfg, language, encoder)

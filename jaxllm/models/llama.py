@@ -150,7 +150,8 @@ class LlamaForCausalLM(nnx.Module):
     def _rope(self, positions: jax.Array):
         # Frequencies are trace-time numpy constants, not parameters.
         inv_freq, attention_factor = rope_frequencies(self.config.rope, self.config.head_dim)
-        return rope_cos_sin(positions, inv_freq, attention_factor, self.config.rope.mrope_section)
+        rope = self.config.rope
+        return rope_cos_sin(positions, inv_freq, attention_factor, rope.mrope_section, rope.mrope_interleaved)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> float32 logits [..., V]."""
@@ -175,10 +176,12 @@ class LlamaForCausalLM(nnx.Module):
         return (last.astype(jnp.float32) @ rows.astype(jnp.float32).T).astype(jnp.float32)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
-                 attention_mask: jax.Array | None = None, inputs_embeds: jax.Array | None = None) -> jax.Array:
+                 attention_mask: jax.Array | None = None, inputs_embeds: jax.Array | None = None,
+                 deepstack: jax.Array | None = None) -> jax.Array:
         """input_ids [B, S]; positions [B, S] (default 0..S-1; with M-RoPE [3, B, S], the causal order is then the
         tokens'); attention_mask [B, S] (1 = real token); inputs_embeds [B, S, E]: used instead of the token
-        embeddings (a vision-language model's, with its images' in place)."""
+        embeddings (a vision-language model's, with its images' in place); deepstack [D, B, S, E]: added to the
+        outputs of the first D layers (Qwen3-VL's visual features, zero outside image tokens)."""
         b, s = input_ids.shape
         order = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
         if positions is None:
@@ -189,16 +192,18 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
         def run(layer, x, carry, index):
-            return layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal), None))
+            x, carry = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal), None))
+            return _add_deepstack(x, deepstack, index), carry
 
         x, _ = self._run_layers(run, x, None)
         return self.logits(self.norm(x))
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
-                      metadata: AttentionMetadata, inputs_embeds: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                      metadata: AttentionMetadata, inputs_embeds: jax.Array | None = None,
+                      deepstack: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """input_ids, positions [T] ([3, T] with M-RoPE) -> final hidden states [T, E] and the updated cache.
         `metadata` names pages 0..pages_per_layer-1; each layer reads and writes its own range of the cache.
-        inputs_embeds [T, E]: instead of the token embeddings."""
+        inputs_embeds [T, E]: instead of the token embeddings; deepstack [D, T, E]: as in `__call__`."""
         attn_fn = attention_kernel(self.kernels)
         cos, sin = self._rope(positions)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -207,7 +212,17 @@ class LlamaForCausalLM(nnx.Module):
 
         def run(layer, x, kv, index):
             meta = metadata.offset_pages(index * pages_per_layer, page_size)
-            return layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn))
+            x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn))
+            return _add_deepstack(x, deepstack, index), kv
 
         x, kv_cache = self._run_layers(run, x, kv_cache)
         return self.norm(x), kv_cache
+
+
+def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, index) -> jax.Array:
+    """x plus deepstack[index] after the first D layers (index may be a scan's traced counter)."""
+    if deepstack is None:
+        return x
+    d = deepstack.shape[0]
+    extra = deepstack[jnp.minimum(index, d - 1)].astype(x.dtype)
+    return x + jnp.where(index < d, extra, jnp.zeros_like(extra))

@@ -82,6 +82,14 @@ class VisionLayout:
     restore: jax.Array  # [N / merge_unit] int32: merged token in window order -> its place in image order
 
 
+def merge_order_positions(h: int, w: int, m: int) -> np.ndarray:
+    """[h * w, 2] (row, column) of an image's patches in the preprocessor's merge-window-major order."""
+    rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+    block = (h // m, m, w // m, m)
+    return np.stack([rows.reshape(block).transpose(0, 2, 1, 3).ravel(),
+                     cols.reshape(block).transpose(0, 2, 1, 3).ravel()], axis=-1)
+
+
 def vision_layout(grids: list[tuple[int, int, int]], cfg: VisionConfig) -> VisionLayout:
     """Host-side layout of images with patch grids (t, h, w) (numpy arrays; the rows of each image are in the
     preprocessor's merge-window order, the images one after another)."""
@@ -90,11 +98,7 @@ def vision_layout(grids: list[tuple[int, int, int]], cfg: VisionConfig) -> Visio
     positions, image_of, window_of, unit_order = [], [], [], []
     units_before, windows_before = 0, 0
     for i, (t, h, w) in enumerate(grids):
-        # patch (row, col) in merge-window-major order: [h/m, w/m, m, m]
-        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        block = (h // m, m, w // m, m)
-        hw = np.stack([rows.reshape(block).transpose(0, 2, 1, 3).ravel(),
-                       cols.reshape(block).transpose(0, 2, 1, 3).ravel()], axis=-1)
+        hw = merge_order_positions(h, w, m)
         gh, gw = h // m, w // m  # merged-token grid
         for frame in range(t):
             units = np.arange(gh * gw).reshape(gh, gw)
@@ -180,6 +184,15 @@ class QwenVisionEncoder(nnx.Module):
         self.merger_norm = _RMSNorm(e, 1e-6, rngs)
         self.merger_fc1, self.merger_fc2 = _Linear(merged, merged, rngs), _Linear(merged, cfg.out_hidden_size, rngs)
 
+    feature_levels = 1  # embeddings per image token (Qwen3-VL adds DeepStack features)
+
+    def layout(self, grids: list[tuple[int, int, int]]) -> VisionLayout:
+        return vision_layout(grids, self.config)
+
+    def features(self, rows: jax.Array, layout: VisionLayout) -> jax.Array:
+        """As `__call__`, [1, N / merge_unit, out_hidden_size] (the engine's form for every encoder)."""
+        return self(rows, layout)[None]
+
     def __call__(self, rows: jax.Array, layout: VisionLayout) -> jax.Array:
         """rows [N, patch_dim] (the images' patch rows, `preprocess` order) -> [N / merge_unit, out_hidden_size]:
         one embedding per language-model image token, in the images' order."""
@@ -216,9 +229,11 @@ def vision_parameter_names(cfg: VisionConfig) -> dict[str, tuple]:
     return names
 
 
-def load_vision_arrays(encoder: QwenVisionEncoder, tensors: dict[str, np.ndarray]) -> None:
-    """Fills `encoder` from checkpoint tensors named as `vision_parameter_names` lists (prefix stripped)."""
-    for name, path in vision_parameter_names(encoder.config).items():
+def load_vision_arrays(encoder: nnx.Module, tensors: dict[str, np.ndarray], names: dict[str, tuple] | None = None):
+    """Fills `encoder` from checkpoint tensors (prefix stripped) named as `names` lists (default:
+    `vision_parameter_names`)."""
+    names = vision_parameter_names(encoder.config) if names is None else names
+    for name, path in names.items():
         if name not in tensors:
             raise ConfigError(f"the checkpoint lacks visual.{name}")
         target = encoder

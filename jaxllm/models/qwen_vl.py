@@ -1,5 +1,6 @@
-"""Qwen2.5-VL: the Qwen2 decoder with multimodal rotary positions (M-RoPE) and the vision encoder whose outputs take
-the place of the image-pad tokens' embeddings.
+"""Qwen2.5-VL and Qwen3-VL: a Qwen2 / Qwen3 decoder with multimodal rotary positions (M-RoPE; Qwen3-VL interleaves
+the axes' frequency slots) and a vision encoder whose outputs take the place of the image-pad tokens' embeddings
+(Qwen3-VL's DeepStack features are also added to those tokens' hidden states after the decoder's first layers).
 
 `mrope_positions` (host, numpy) gives a prompt's [3, T] positions: text tokens count up on all three axes; an
 image's tokens sit at (start, start + row, start + column) of its merged patch grid, and the text after it resumes
@@ -18,15 +19,18 @@ from flax import nnx
 
 from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.models.qwen_vision import QwenVisionEncoder, VisionConfig, VisionLayout
+from jaxllm.models.qwen3_vision import Qwen3VisionConfig, Qwen3VisionEncoder
+from jaxllm.models.qwen_vision import QwenVisionEncoder, VisionConfig
 
-VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM"}
+# vision-language architecture -> its decoder's
+VL_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": "Qwen2ForCausalLM",
+                    "Qwen3VLForConditionalGeneration": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
 class VLConfig:
     text: ModelConfig
-    vision: VisionConfig
+    vision: VisionConfig | Qwen3VisionConfig
     image_token_id: int
     vision_start_token_id: int
     vision_end_token_id: int
@@ -45,12 +49,19 @@ class VLConfig:
             text["eos_token_id"] = raw["eos_token_id"]
         if "vision_config" not in raw:
             raise ConfigError("config.json has no vision_config")
+        qwen3 = arch == "Qwen3VLForConditionalGeneration"
+        if qwen3:  # its M-RoPE is always interleaved, with these sections unless the config says
+            rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+            rope.setdefault("mrope_section", [24, 20, 20])
+            rope["mrope_interleaved"] = True
+            text["rope_parameters"] = rope
         text_config = ModelConfig.from_hf(text)
         if text_config.rope.mrope_section is None or sum(text_config.rope.mrope_section) * 2 != text_config.head_dim:
             raise ConfigError(f"mrope_section {text_config.rope.mrope_section} must cover head_dim / 2 = "
                               f"{text_config.head_dim // 2} frequencies")
         try:
-            return cls(text=text_config, vision=VisionConfig.from_hf(raw["vision_config"]),
+            vision = (Qwen3VisionConfig if qwen3 else VisionConfig).from_hf(raw["vision_config"])
+            return cls(text=text_config, vision=vision,
                        image_token_id=int(raw["image_token_id"]),
                        vision_start_token_id=int(raw["vision_start_token_id"]),
                        vision_end_token_id=int(raw["vision_end_token_id"]))
@@ -103,7 +114,7 @@ def place_images(embeds: jax.Array, ids: jax.Array, image_embeds: jax.Array, ima
 
 
 class QwenVLForConditionalGeneration(nnx.Module):
-    def __init__(self, cfg: VLConfig, language: LlamaForCausalLM, visual: QwenVisionEncoder):
+    def __init__(self, cfg: VLConfig, language: LlamaForCausalLM, visual: QwenVisionEncoder | Qwen3VisionEncoder):
         self.vl_config, self.language, self.visual = cfg, language, visual
 
     multimodal = True
@@ -129,19 +140,30 @@ class QwenVLForConditionalGeneration(nnx.Module):
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache, metadata,
                       image_embeds: jax.Array | None = None):
-        """The engine's step: input_ids [T], positions [3, T], image_embeds [T, E]: row i is token i's image
-        embedding where token i is an image-pad token (computed by the encoder beforehand; other rows unused)."""
+        """The engine's step: input_ids [T], positions [3, T], image_embeds [levels, T, E]: column i holds token i's
+        image embedding (and DeepStack features) where token i is an image-pad token, zeros elsewhere (computed by
+        the encoder beforehand)."""
         embeds = self.language.embed_tokens(input_ids)
+        deepstack = None
         if image_embeds is not None:
             is_image = (input_ids == self.vl_config.image_token_id)[:, None]
-            embeds = jnp.where(is_image, image_embeds.astype(embeds.dtype), embeds)
-        return self.language.forward_paged(input_ids, positions, kv_cache, metadata, inputs_embeds=embeds)
+            embeds = jnp.where(is_image, image_embeds[0].astype(embeds.dtype), embeds)
+            deepstack = image_embeds[1:] if image_embeds.shape[0] > 1 else None
+        return self.language.forward_paged(input_ids, positions, kv_cache, metadata, inputs_embeds=embeds,
+                                           deepstack=deepstack)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array, rows: jax.Array | None = None,
-                 layout: VisionLayout | None = None) -> jax.Array:
+                 layout=None) -> jax.Array:
         """The dense path: input_ids [B, S] (image-pad runs for the images, batch order), positions [3, B, S]
-        (`mrope_positions`), the images' patch rows and layout (none: text only) -> logits [B, S, V]."""
+        (`mrope_positions`), the images' patch rows and layout (`visual.layout(grids)`; none: text only) -> logits
+        [B, S, V]."""
         embeds = self.language.embed_tokens(input_ids)
+        deepstack = None
         if rows is not None:
-            embeds = place_images(embeds, input_ids, self.visual(rows, layout), self.vl_config.image_token_id)
-        return self.language(input_ids, positions, inputs_embeds=embeds)
+            features = self.visual.features(rows, layout)  # [levels, K, E]
+            image_id = self.vl_config.image_token_id
+            embeds = place_images(embeds, input_ids, features[0], image_id)
+            if features.shape[0] > 1:  # each level placed like the embeddings, zeros on the other tokens
+                deepstack = jnp.stack([place_images(jnp.zeros_like(embeds), input_ids, f, image_id)
+                                       for f in features[1:]])
+        return self.language(input_ids, positions, inputs_embeds=embeds, deepstack=deepstack)

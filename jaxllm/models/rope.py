@@ -70,13 +70,21 @@ def _yarn(rope: RopeConfig, dim: int) -> tuple[np.ndarray, float]:
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+def mrope_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.ndarray:
+    """[sum(sections)] int: the position axis (0 time, 1 height, 2 width) each frequency slot rotates by."""
+    if not interleaved:
+        return np.repeat(np.arange(3), sections)
+    j = np.arange(sum(sections))
+    return np.where((j % 3 == 1) & (j < 3 * sections[1]), 1, np.where((j % 3 == 2) & (j < 3 * sections[2]), 2, 0))
+
+
 def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor: float,
-                 mrope_section: tuple[int, ...] | None = None):
+                 mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
     """positions [...] -> cos, sin [..., head_dim] (float32). With `mrope_section`, positions are [3, ...]
-    (temporal, height, width) and each frequency slot takes its section's axis."""
+    (temporal, height, width) and each frequency slot takes its axis (`mrope_axes`)."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., head_dim // 2]
     if mrope_section is not None:  # [3, ..., head_dim // 2] -> [..., head_dim // 2]: a 0/1 selection, exact
-        pick = np.eye(3, dtype=np.float32)[np.repeat(np.arange(3), mrope_section)]  # [head_dim // 2, 3]
+        pick = np.eye(3, dtype=np.float32)[mrope_axes(mrope_section, mrope_interleaved)]  # [head_dim // 2, 3]
         angles = jnp.einsum("a...j,ja->...j", angles, jnp.asarray(pick))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor

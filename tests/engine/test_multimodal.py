@@ -1,6 +1,6 @@
-"""Vision-language requests on the engine (tiny random Qwen2.5-VL): log-probabilities against transformers through
-the paged path with chunked prefill cutting through images, the encoder cache, the prefix cache keyed by image
-content, batch invariance and no compilation after warm-up, and refused inputs."""
+"""Vision-language requests on the engine (tiny random Qwen2.5-VL, and Qwen3-VL for parity): log-probabilities
+against transformers through the paged path with chunked prefill cutting through images, the encoder cache, the
+prefix cache keyed by image content, batch invariance and no compilation after warm-up, and refused inputs."""
 
 import numpy as np
 import pytest
@@ -38,6 +38,12 @@ def llm(tiny_vl_dir, compile_cache_dir):
     return LLM(str(folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
 
 
+@pytest.fixture(scope="module")
+def llm3(tiny_qwen3_vl_dir, compile_cache_dir):
+    folder, _ = tiny_qwen3_vl_dir
+    return LLM(str(folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+
+
 def _clear_prefix_cache(engine) -> None:
     engine.block_manager.page_of_hash.clear()
     engine.block_manager.hash_of_page.clear()
@@ -60,11 +66,14 @@ def _hf_logprobs(hf, spec, ids: list[int], images: list) -> np.ndarray:
     return torch.log_softmax(logits.double(), -1).numpy()
 
 
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
 @pytest.mark.parametrize("num_images", [0, 1, 2])
-def test_logprobs_match_transformers_through_chunked_prefill(llm, tiny_vl_dir, monkeypatch, num_images):
+def test_logprobs_match_transformers_through_chunked_prefill(request, monkeypatch, family, num_images):
     """The first token's log-probabilities (the prompt prefilled in 32-token chunks, one cutting through an
     image's tokens) and the decode steps' (teacher-forced in transformers) within 1e-4."""
-    _, hf = tiny_vl_dir
+    qwen3 = family == "qwen3-vl"
+    llm = request.getfixturevalue("llm3" if qwen3 else "llm")
+    _, hf = request.getfixturevalue("tiny_qwen3_vl_dir" if qwen3 else "tiny_vl_dir")
     engine = llm.engine
     _clear_prefix_cache(engine)
     images = [_image(2 + k) for k in range(num_images)]

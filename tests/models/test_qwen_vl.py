@@ -1,5 +1,7 @@
-"""Qwen2.5-VL against transformers: logits of prompts with 0, 1 and 2 images of different sizes through the dense
-path, from folders in both config layouts; M-RoPE positions against transformers' own."""
+"""Qwen2.5-VL (folders in both config layouts) and Qwen3-VL against transformers: logits of prompts with 0, 1 and 2
+images of different sizes through the dense path; M-RoPE positions against transformers' own."""
+
+import json
 
 import numpy as np
 import pytest
@@ -8,12 +10,12 @@ IMAGE, START, END = 1000, 1002, 1003
 SIZES = [(112, 84), (60, 120)]
 
 
-@pytest.fixture(scope="module", params=["nested", "flat"])
+@pytest.fixture(scope="module", params=["qwen2.5-vl nested", "qwen2.5-vl flat", "qwen3-vl"])
 def tiny_vl(request, tmp_path_factory):
     from tests.tiny_models import build_tiny_qwen2_5_vl
 
-    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp(f"tiny_vl_{request.param}"),
-                                 flat_config=request.param == "flat")
+    return build_tiny_qwen2_5_vl(tmp_path_factory.mktemp("tiny_vl"), flat_config=request.param.endswith("flat"),
+                                 family="qwen3_vl" if request.param == "qwen3-vl" else "qwen2_5_vl")
 
 
 def _prompt(grids):
@@ -33,7 +35,6 @@ def test_logits_match_transformers(tiny_vl, num_images):
 
     from jaxllm.kernels import choose_kernels
     from jaxllm.loading.qwen_vl import load_qwen_vl
-    from jaxllm.models.qwen_vision import vision_layout
     from jaxllm.models.qwen_vl import mrope_positions
     from jaxllm.multimodal.image_processor import ImageProcessorConfig, preprocess
     from jaxllm.sharding import make_mesh
@@ -43,7 +44,8 @@ def test_logits_match_transformers(tiny_vl, num_images):
                          mesh=make_mesh(1))
     rng = np.random.default_rng(num_images)
     images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for w, h in SIZES[:num_images]]
-    done = [preprocess(i, ImageProcessorConfig(max_pixels=28 * 28 * 30)) for i in images]
+    processor = ImageProcessorConfig.from_hf(json.loads((folder / "preprocessor_config.json").read_text()))
+    done = [preprocess(i, processor) for i in images]
     grids = [g for _, g in done]
     ids = _prompt(grids)
     positions = mrope_positions(ids, grids, IMAGE, 2)
@@ -58,5 +60,5 @@ def test_logits_match_transformers(tiny_vl, num_images):
                                                     image_grid_thw=torch.tensor(grids) if grids else None)
     np.testing.assert_array_equal(positions, want_positions[:, 0].numpy())
     got = model(jnp.asarray([ids]), jnp.asarray(positions[:, None]),
-                *((jnp.asarray(rows), vision_layout(grids, model.vl_config.vision)) if images else ()))
+                *((jnp.asarray(rows), model.visual.layout(grids)) if images else ()))
     np.testing.assert_allclose(np.asarray(got)[0], out.logits[0].numpy(), atol=1e-4, rtol=0)
