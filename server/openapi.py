@@ -205,8 +205,15 @@ def _generate(request: type[BaseModel], response: type[BaseModel], summary: str)
         "requestBody": {"required": True, "content": _json(request)},
         "responses": {"200": {"description": "The answer; with stream=true, server-sent events ending with "
                                              "'data: [DONE]'",
-                              "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}},
+                              "content": {**_json(response), "text/event-stream": {"schema": SSE_EVENT}}},
                       **_errors(400, 401, 404, 413, 429, 500, 503)}}}
+
+
+# One server-sent event (on OpenAPI 3.1 a text/event-stream schema describes each event, as 3.2's itemSchema does):
+# its data is a JSON chunk, or "[DONE]" at the end.
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "contentMediaType": "application/json"}, "event": {"type": "string"},
+    "id": {"type": "string"}, "retry": {"type": "integer"}}}
 
 
 def _simple(method: str, response: type[BaseModel] | None, summary: str, *, request: type[BaseModel] | None = None,

@@ -75,8 +75,11 @@ CHAT_ONLY = [
     ("max_completion_tokens beyond the context", {"max_completion_tokens": 10**6}, "max_tokens"),
     ("messages longer than the context", {"messages": [{"role": "user", "content": "hello " * 1100}]}, "messages"),
     ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ("image content part", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "x"}}]}]}, "messages.0.content.0"),
+    ("image content part to a text model", {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                                                       "image_url": {"url": "x"}}]}]},
+     "messages"),
+    ("image_url part without its url", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages.0.content.0"),
     ("unknown content part type", {"messages": [{"role": "user", "content": [{"type": "video"}]}]},
      "messages.0.content.0.type"),
     ("text part without text", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
