@@ -40,6 +40,9 @@ class EngineCollector:
                       s["num_failed_requests"])
         yield counter("jaxllm_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
                       s["prefix_cache_hit_tokens_total"])
+        yield counter("jaxllm_images_encoded", "Images the vision encoder ran on.", s.get("images_encoded_total", 0))
+        yield counter("jaxllm_encoder_cache_hits", "Images whose embeddings a step found in the encoder cache.",
+                      s.get("encoder_cache_hits_total", 0))
         # Per engine core (data-parallel rank; one when there is no data parallelism).
         per_rank = [("jaxllm_engine_requests", "Requests this engine core received.", "requests_total", True),
                     ("jaxllm_engine_num_requests_running", "Sequences in this engine core's batch.", "num_running",

@@ -437,6 +437,8 @@ class LLMEngine:
             "num_failed_requests": self.num_failed_requests,
             "requests_total": self.requests_total,
             "prefix_cache_hit_tokens_total": self.block_manager.prefix_hits,
+            "images_encoded_total": cache.encoded if (cache := self.runner.encoder_cache) else 0,
+            "encoder_cache_hits_total": cache.hits if cache else 0,
         }
 
 
