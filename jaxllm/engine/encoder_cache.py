@@ -26,6 +26,10 @@ class EncoderCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def clear(self) -> None:
+        self._entries.clear()
+        self.num_tokens = 0
+
     def get(self, key: bytes) -> np.ndarray | None:
         rows = self._entries.get(key)
         if rows is not None:

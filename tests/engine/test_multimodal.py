@@ -89,7 +89,7 @@ def test_logprobs_match_transformers_through_chunked_prefill(request, monkeypatc
 
     monkeypatch.setattr(engine.runner, "execute", recording)
     encoded = engine.runner.encoder_cache.encoded
-    engine.runner.encoder_cache._entries.clear()
+    engine.runner.encoder_cache.clear()
     (out,) = llm.generate({"prompt_token_ids": _prompt(llm.get_tokenizer(), num_images),
                            "multi_modal_data": {"image": images}},
                           SamplingParams(temperature=0, max_tokens=5, logprobs=MAX_LOGPROBS, ignore_eos=True),
@@ -150,7 +150,7 @@ def test_prefix_cache_keyed_by_image_content(llm):
 
     _clear_prefix_cache(engine)
     cache = engine.runner.encoder_cache
-    cache._entries.clear()
+    cache.clear()
     first = run(a)
     offset = first.prompt_token_ids.index(IMAGE)
     page = engine.config.page_size
@@ -164,7 +164,7 @@ def test_prefix_cache_keyed_by_image_content(llm):
     assert other.num_cached_tokens == offset // page * page  # the text before the image only
     assert cache.encoded == encoded + 1  # b; a's second run read no image embeddings (or the encoder cache)
     _clear_prefix_cache(engine)
-    cache._entries.clear()
+    cache.clear()
     assert run(b).outputs[0].token_ids == other.outputs[0].token_ids
     bm = engine.block_manager
     assert bm.num_free_pages == bm.num_pages
@@ -189,7 +189,7 @@ def test_mixed_text_and_image_batch_is_invariant_and_compiles_nothing(llm):
         (out,) = llm.generate(prompt, params, use_tqdm=False)
         alone[rid] = out.outputs[0].token_ids
     _clear_prefix_cache(engine)
-    engine.runner.encoder_cache._entries.clear()
+    engine.runner.encoder_cache.clear()
     before = compile_monitor.snapshot()
     pending, results = list(requests), {}
     for rid, prompt in pending[:3]:
