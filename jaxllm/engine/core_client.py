@@ -55,7 +55,13 @@ class EngineCoreClient:
         self.stopped = False
         self._ready = False
         self._last_heard = time.monotonic()
-        info = self._handshake(timeout_s)
+        try:
+            info = self._handshake(timeout_s)
+        except BaseException:  # (refused, timed out): close the sockets, or the context's finalizer blocks forever
+            self.monitor.close(linger=0)
+            self.sock.close(linger=0)
+            self.ctx.term()
+            raise
         self.info, self.stats = info, info.get("stats", {})
         load = tokenizer_loader or _load_tokenizer
         self.engine = Frontend(load(info), RequestLimits(vocab_size=info["vocab_size"],
