@@ -10,12 +10,18 @@ SIZES = [(32, 32), (100, 50), (640, 480), (17, 300), (1000, 20), (333, 777), (28
          (1920, 1080)]
 
 
-def test_preprocessing_equals_the_hf_image_processor():
+@pytest.mark.parametrize("family", ["qwen2.5-vl", "qwen3-vl"])
+def test_preprocessing_equals_the_hf_image_processor(family):
     from PIL import Image
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    cfg = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
-    hf = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    if family == "qwen3-vl":  # 16-pixel patches, mean and std 0.5 (Qwen3-VL's preprocessor_config.json)
+        cfg = ImageProcessorConfig(patch_size=16, min_pixels=64 * 64, max_pixels=32 * 32 * 64,
+                                   image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
+    else:
+        cfg = ImageProcessorConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 64)
+    hf = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, patch_size=cfg.patch_size,
+                                  image_mean=list(cfg.image_mean), image_std=list(cfg.image_std))
     rng = np.random.default_rng(0)
     for w, h in SIZES:
         image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
