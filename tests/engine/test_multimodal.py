@@ -211,8 +211,8 @@ def test_mixed_text_and_image_batch_is_invariant_and_compiles_nothing(llm):
     assert bm.num_free_pages == bm.num_pages
 
 
-def test_preempted_image_request_is_not_encoded_again(tiny_vl_dir, compile_cache_dir):
-    """With pages for about two requests, four image requests preempt each other: outputs equal those of an
+def test_preempted_image_request_is_not_encoded_again(llm, tiny_vl_dir, compile_cache_dir):
+    """With pages for about two requests, four image requests preempt each other: outputs equal those of the
     engine with room for all, and each image is encoded once."""
     folder, _ = tiny_vl_dir
     small = LLM(str(folder), compilation_cache_dir=compile_cache_dir, **{**OPTIONS, "num_pages": 24,
@@ -224,8 +224,7 @@ def test_preempted_image_request_is_not_encoded_again(tiny_vl_dir, compile_cache
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.engine.scheduler.num_preemptions > 0
     assert small.engine.runner.encoder_cache.encoded == 4
-    big = LLM(str(folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
-    want = big.generate(prompts, params, use_tqdm=False)
+    want = llm.generate(prompts, params, use_tqdm=False)  # room for all
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in want]
 
 
