@@ -17,14 +17,14 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import ConfigError
-from jaxllm.models.qwen_vision import _Linear, _param, _rotate, merge_order_positions
+from jaxllm.models.qwen_vision import PatchGeometry, _Linear, _param, attend, merge_order_positions, rotary_2d
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "gelu": lambda x: jax.nn.gelu(x, approximate=False), "silu": jax.nn.silu}
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen3VisionConfig:
+class Qwen3VisionConfig(PatchGeometry):
     depth: int
     hidden_size: int
     intermediate_size: int
@@ -40,9 +40,7 @@ class Qwen3VisionConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ConfigError(f"vision hidden_size {self.hidden_size} / {self.num_heads} heads: the head size must be "
-                              "a multiple of 4 (2D rotary)")
+        self.check_heads()
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"vision hidden_act {self.hidden_act!r} is not supported")
         side = int(round(self.num_position_embeddings ** 0.5))
@@ -53,37 +51,15 @@ class Qwen3VisionConfig:
                               "blocks")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def merge_unit(self) -> int:
-        return self.spatial_merge_size ** 2
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
     def grid_side(self) -> int:
         return int(round(self.num_position_embeddings ** 0.5))
 
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> Qwen3VisionConfig:
-        rope = raw.get("rope_parameters") or {}
-        try:
-            return cls(depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]),
-                       intermediate_size=int(raw["intermediate_size"]), num_heads=int(raw["num_heads"]),
-                       out_hidden_size=int(raw["out_hidden_size"]), patch_size=int(raw.get("patch_size", 16)),
-                       temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
-                       spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
-                       in_channels=int(raw.get("in_channels", 3)),
-                       num_position_embeddings=int(raw.get("num_position_embeddings", 2304)),
-                       deepstack_visual_indexes=tuple(int(i) for i in raw.get("deepstack_visual_indexes", (8, 16, 24))),
-                       hidden_act=raw.get("hidden_act", "gelu_pytorch_tanh"),
-                       rope_theta=float(rope.get("rope_theta", 10000.0)))
-        except KeyError as e:
-            raise ConfigError(f"vision_config: missing the field {e.args[0]!r}") from None
+        return cls(**cls.common_fields(raw, patch_size=16),
+                   num_position_embeddings=int(raw.get("num_position_embeddings", 2304)),
+                   deepstack_visual_indexes=tuple(int(i) for i in raw.get("deepstack_visual_indexes", (8, 16, 24))),
+                   hidden_act=raw.get("hidden_act", "gelu_pytorch_tanh"))
 
 
 @jax.tree_util.register_dataclass
@@ -164,12 +140,7 @@ class Qwen3VisionBlock(nnx.Module):
 
     def __call__(self, x, cos, sin, mask):
         """x [N, E]; cos, sin [N, head_dim]; mask [N, N] bool."""
-        n, e = x.shape
-        q, k, v = jnp.moveaxis(self.qkv(self.norm1(x)).reshape(n, 3, self.heads, e // self.heads), 1, 0)
-        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * (e // self.heads) ** -0.5
-        probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
-        x = x + self.proj(jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, e))
+        x = x + attend(self.qkv, self.proj, self.heads, self.norm1(x), cos, sin, mask)
         return x + self.linear_fc2(self.act(self.linear_fc1(self.norm2(x))))
 
 
@@ -199,12 +170,7 @@ class Qwen3VisionEncoder(nnx.Module):
         x = self.patch_embed(rows.astype(jnp.float32))
         table = self.pos_embed[...][layout.table_index]  # [N, 4, E]
         x = x + jnp.einsum("nke,nk->ne", table, layout.table_weight)
-        quarter = cfg.head_dim // 4
-        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, 2 * quarter, 2, dtype=np.float32) / (2 * quarter))
-        angles = layout.positions[..., None].astype(jnp.float32) * inv_freq  # [N, 2, head_dim / 4]
-        angles = angles.reshape(angles.shape[0], -1)
-        angles = jnp.concatenate([angles, angles], -1)  # [N, head_dim]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rotary_2d(layout.positions, cfg.head_dim, cfg.rope_theta)
         mask = layout.image[:, None] == layout.image[None, :]
         taps = []
         for i, block in enumerate(self.blocks):

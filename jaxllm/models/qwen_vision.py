@@ -20,23 +20,31 @@ from flax import nnx
 from jaxllm.config import ConfigError
 
 
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    out_hidden_size: int
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    window_size: int = 112
-    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
-    in_channels: int = 3
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
+class PatchGeometry:
+    """What both Qwen-VL vision configs derive from their fields (a mixin of the frozen dataclasses)."""
 
-    def __post_init__(self) -> None:
+    hidden_size: int
+    num_heads: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    in_channels: int
+
+    @staticmethod
+    def common_fields(raw: dict[str, Any], patch_size: int) -> dict[str, Any]:
+        """The fields both configs read from a ``vision_config`` (``patch_size``: the family's default)."""
+        try:
+            return dict(depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]),
+                        intermediate_size=int(raw["intermediate_size"]), num_heads=int(raw["num_heads"]),
+                        out_hidden_size=int(raw["out_hidden_size"]), patch_size=int(raw.get("patch_size", patch_size)),
+                        temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
+                        spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
+                        in_channels=int(raw.get("in_channels", raw.get("in_chans", 3))),
+                        rope_theta=float((raw.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
+        except KeyError as e:
+            raise ConfigError(f"vision_config: missing the field {e.args[0]!r}") from None
+
+    def check_heads(self) -> None:
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ConfigError(f"vision hidden_size {self.hidden_size} / {self.num_heads} heads: the head size must be "
                               "a multiple of 4 (2D rotary)")
@@ -53,21 +61,30 @@ class VisionConfig:
     def patch_dim(self) -> int:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig(PatchGeometry):
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    window_size: int = 112
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    in_channels: int = 3
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        self.check_heads()
+
     @classmethod
     def from_hf(cls, raw: dict[str, Any]) -> VisionConfig:
-        rope = raw.get("rope_parameters") or {}
-        try:
-            return cls(depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]),
-                       intermediate_size=int(raw["intermediate_size"]), num_heads=int(raw["num_heads"]),
-                       out_hidden_size=int(raw["out_hidden_size"]), patch_size=int(raw.get("patch_size", 14)),
-                       temporal_patch_size=int(raw.get("temporal_patch_size", 2)),
-                       spatial_merge_size=int(raw.get("spatial_merge_size", 2)),
-                       window_size=int(raw.get("window_size", 112)),
-                       fullatt_block_indexes=tuple(raw.get("fullatt_block_indexes", (7, 15, 23, 31))),
-                       in_channels=int(raw.get("in_channels", raw.get("in_chans", 3))),
-                       rope_theta=float(rope.get("rope_theta", 10000.0)))
-        except KeyError as e:
-            raise ConfigError(f"vision_config: missing the field {e.args[0]!r}") from None
+        return cls(**cls.common_fields(raw, patch_size=14), window_size=int(raw.get("window_size", 112)),
+                   fullatt_block_indexes=tuple(raw.get("fullatt_block_indexes", (7, 15, 23, 31))))
 
 
 @jax.tree_util.register_dataclass
@@ -154,6 +171,29 @@ def _rotate(x, cos, sin):
     return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], -1) * sin
 
 
+def attend(qkv: _Linear, proj: _Linear, heads: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
+           mask: jax.Array) -> jax.Array:
+    """A vision block's attention: x [N, E] (normalized); cos, sin [N, head_dim] (2D rotary); mask [N, N] bool
+    (which patches see which) -> [N, E]. Dense: a reference form, exact for any mix of images."""
+    n, e = x.shape
+    q, k, v = jnp.moveaxis(qkv(x).reshape(n, 3, heads, e // heads), 1, 0)
+    q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
+    scores = jnp.einsum("qhd,khd->hqk", q, k) * (e // heads) ** -0.5
+    probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
+    return proj(jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, e))
+
+
+def rotary_2d(positions: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """positions [N, 2] (row, column) -> cos, sin [N, head_dim]: the rows' frequencies, then the columns', twice
+    (rotate-half layout)."""
+    quarter = head_dim // 4
+    inv_freq = 1.0 / theta ** (np.arange(0, 2 * quarter, 2, dtype=np.float32) / (2 * quarter))
+    angles = positions[..., None].astype(jnp.float32) * inv_freq  # [N, 2, head_dim / 4]
+    angles = angles.reshape(angles.shape[0], -1)
+    angles = jnp.concatenate([angles, angles], -1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
 class VisionBlock(nnx.Module):
     def __init__(self, cfg: VisionConfig, rngs):
         e = cfg.hidden_size
@@ -165,12 +205,7 @@ class VisionBlock(nnx.Module):
 
     def __call__(self, x, cos, sin, mask):
         """x [N, E]; cos, sin [N, head_dim]; mask [N, N] bool."""
-        n, e = x.shape
-        q, k, v = jnp.moveaxis(self.qkv(self.norm1(x)).reshape(n, 3, self.heads, e // self.heads), 1, 0)
-        q, k = _rotate(q, cos[:, None], sin[:, None]), _rotate(k, cos[:, None], sin[:, None])
-        scores = jnp.einsum("qhd,khd->hqk", q, k) * (e // self.heads) ** -0.5
-        probs = jax.nn.softmax(jnp.where(mask[None], scores, -jnp.inf), axis=-1)
-        x = x + self.proj(jnp.einsum("hqk,khd->qhd", probs, v).reshape(n, e))
+        x = x + attend(self.qkv, self.proj, self.heads, self.norm1(x), cos, sin, mask)
         h = self.norm2(x)
         return x + self.down_proj(jax.nn.silu(self.gate_proj(h)) * self.up_proj(h))
 
@@ -198,12 +233,7 @@ class QwenVisionEncoder(nnx.Module):
         one embedding per language-model image token, in the images' order."""
         cfg = self.config
         x = self.patch_embed(rows.astype(jnp.float32))[layout.order]
-        quarter = cfg.head_dim // 4
-        inv_freq = 1.0 / cfg.rope_theta ** (np.arange(0, 2 * quarter, 2, dtype=np.float32) / (2 * quarter))
-        angles = layout.positions[..., None].astype(jnp.float32) * inv_freq  # [N, 2, head_dim / 4]
-        angles = angles.reshape(angles.shape[0], -1)  # rows' then columns' frequencies
-        angles = jnp.concatenate([angles, angles], -1)  # [N, head_dim]
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = rotary_2d(layout.positions, cfg.head_dim, cfg.rope_theta)
         same_image = layout.image[:, None] == layout.image[None, :]
         same_window = layout.window[:, None] == layout.window[None, :]
         for i, block in enumerate(self.blocks):
