@@ -4,7 +4,7 @@ JAXLLM_PRESET (engine preset in jaxllm/configs/ or TOML path, default smollm2-cp
 JAXLLM_SERVED_MODEL_NAME, JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES, JAXLLM_KV_MEMORY_FRACTION,
 JAXLLM_KV_CACHE_DTYPE, JAXLLM_TENSOR_PARALLEL_SIZE, JAXLLM_MAX_NUM_SEQS, JAXLLM_MAX_NUM_BATCHED_TOKENS,
 JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL,
-JAXLLM_QUANTIZATION (auto: a GGUF file's own; int8; none),
+JAXLLM_QUANTIZATION (auto: a GGUF file's own; int8; none), JAXLLM_ASYNC_SCHEDULING (default true),
 JAXLLM_NUM_HOSTS, JAXLLM_HOST_RANK, JAXLLM_COORDINATOR_ADDRESS (multi-host: one model over several hosts),
 JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N
 (most choices per request, default 16), JAXLLM_ALLOWED_ORIGINS (comma-separated origins allowed by CORS, or *;
@@ -50,6 +50,7 @@ _ENGINE_ENV = {
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
     "pooling": str, "normalize_embeddings": _flag, "score_template": str,
     "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
+    "async_scheduling": _flag,
     "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,
 }
 

@@ -60,6 +60,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting_requests: int = 1024
     max_n: int = 16  # most choices (n) one request may ask for
+    # Decode steps run one ahead: the next step is dispatched before this one's tokens are read back, so the host's
+    # per-step work (outputs, stop checks, the next step's inputs) overlaps the device's (see LLMEngine.step).
+    async_scheduling: bool = True
     # Embeddings: how hidden states are pooled (last, mean, cls); None: as a sentence-transformers folder says
     # (modules.json), else the model does not embed. normalize_embeddings: the default of a request's `normalize`.
     pooling: str | None = None

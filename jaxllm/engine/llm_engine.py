@@ -161,6 +161,7 @@ class LLMEngine:
             self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
             logger.info("start-up: %s", self.startup.summary())
         self._leader = None
+        self._ahead = None  # a decode step dispatched ahead of the step() call that reads it back
         if config.num_hosts > 1 and config.host_rank == 0:
             self._lead_followers()
 
@@ -314,12 +315,44 @@ class LLMEngine:
 
     # -- the step
     def step(self) -> list[RequestOutput]:
-        step = self.scheduler.schedule()
-        if not step:
-            return []
-        result = self.runner.execute(step)
+        """Runs one step and returns the outputs it produced. With `async_scheduling`, a step that only decodes has
+        its successor (the same sequences, one more token each) dispatched before its own tokens are read back:
+        the device computes it while this call turns the tokens into outputs, and the next call reads it back. A
+        sequence that finished (or was aborted) meanwhile has that extra token dropped; its pages are free already,
+        and the token's KV slot lies past anything the prefix cache registered."""
+        if self._ahead is not None:
+            pending, self._ahead = self._ahead, None
+        else:
+            step = self.scheduler.schedule()
+            if not step:
+                return []
+            pending = self.runner.dispatch(step)
+        if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
+            self._ahead = self.runner.dispatch(nxt, after=pending)
+        return self._update(pending.step, self.runner.collect(pending))
+
+    def _may_look_ahead(self, step) -> bool:
+        """Whether the decode step after `step` can be built without `step`'s tokens: every sequence decodes one
+        token, and nothing it samples with depends on the tokens (penalties read them, a grammar's mask follows
+        them, min_tokens' bans end with a count) on a model whose step inputs are all host-built otherwise."""
+        if not self.config.async_scheduling or self.runner.multimodal or self._leader is not None:
+            return False
+        going_on = False
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            p = seq.params
+            if n != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.pooled is not None or \
+                    seq.matcher is not None or seq.finished or p.uses_penalties or p.logit_bias or \
+                    seq.num_output_tokens + 1 < p.min_tokens:
+                return False
+            going_on |= (p.max_tokens is None or seq.num_output_tokens + 1 < p.max_tokens) and \
+                seq.num_tokens + 1 < self.max_model_len
+        return going_on
+
+    def _update(self, step, result: StepResult) -> list[RequestOutput]:
         pooled: list[Request] = []
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens, strict=True)):
+            if seq.finished:  # ended while its step ran (the step before finished or aborted it)
+                continue
             start = seq.num_computed_tokens
             seq.num_computed_tokens += n
             self.block_manager.cache_full_pages(seq)

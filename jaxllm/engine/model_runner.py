@@ -57,12 +57,18 @@ def _step(graphdef, state_def, generates, pools, params, caches, ids, positions,
         # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
         packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
     else:  # a model that only pools
+        tokens = jnp.zeros((s,), jnp.int32)
         packed = jnp.zeros((s, 2 + 2 * MAX_LOGPROBS), jnp.int32)
+    # [T]: row i's token at position i, the ids of a decode step that follows this one with the same sequences
+    # (a step dispatched before this one's tokens are read back: see LLMEngine.step)
+    t = ids.shape[0]
+    next_ids = jnp.zeros((t,), jnp.int32).at[:min(s, t)].set(tokens[:min(s, t)])
     if not pools:  # a model that only generates: the same outputs, none of the work (decode steps stay lean)
-        return caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32)
+        return (caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32),
+                next_ids)
     pooled = _pool_chunks(hidden, meta)
     classified = model.classify(pooled) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
-    return caches, packed, pooled, classified
+    return caches, packed, pooled, classified, next_ids
 
 
 def _pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
@@ -103,6 +109,20 @@ class BucketBuild:
 
 def _abstract(x):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A step dispatched to the device and not read back yet (`ModelRunner.dispatch` / `collect`)."""
+    step: ScheduledStep
+    bucket: tuple[int, int]
+    rows: list[Sequence]  # the sequences that get a token, in row order
+    outputs: list[jax.Array]  # packed sampler output, pooled, classified, next ids
+
+    @property
+    def next_ids(self) -> jax.Array:
+        """[T] device array: each row's token, as the ids of a decode step of the same sequences."""
+        return self.outputs[3]
 
 
 @dataclasses.dataclass
@@ -273,7 +293,7 @@ class ModelRunner:
             self.builds[bucket].first_run_s = time.perf_counter() - start
         return [self.builds[b] for b in self.buckets]
 
-    def _sampling_tensors(self, rows: list[Sequence], s: int) -> SamplingTensors:
+    def _sampling_tensors(self, rows: list[Sequence], s: int, ahead: int = 0) -> SamplingTensors:
         f32 = np.zeros(s, np.float32)
         temperature, top_p, min_p = f32.copy(), np.ones(s, np.float32), f32.copy()
         rep, freq, pres = np.ones(s, np.float32), f32.copy(), f32.copy()
@@ -288,13 +308,13 @@ class ModelRunner:
             rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
             seed = seq.request.seed % (1 << 64)
             seeds[i] = (seed % UINT32, seed // UINT32)
-            choices[i], steps[i] = seq.index, seq.num_output_tokens
+            choices[i], steps[i] = seq.index, seq.num_output_tokens + ahead
             num_prompt[i] = seq.num_prompt_tokens
             any_penalty |= p.uses_penalties
             any_filter |= (not p.greedy) and p.uses_filters
             any_random |= not p.greedy
             any_logprobs |= p.logprobs is not None
-            any_bias |= bool(p.logit_bias) or seq.num_output_tokens < p.min_tokens
+            any_bias |= bool(p.logit_bias) or seq.num_output_tokens + ahead < p.min_tokens
         if any_penalty:
             history = np.full((s, self.max_model_len), -1, np.int32)
             for i, seq in enumerate(rows):
@@ -307,7 +327,7 @@ class ModelRunner:
             bias_values = np.zeros((s, self.bias_width), np.float32)
             for i, seq in enumerate(rows):
                 entries = dict(seq.params.logit_bias or {})
-                if seq.num_output_tokens < seq.params.min_tokens:
+                if seq.num_output_tokens + ahead < seq.params.min_tokens:
                     banned = seq.params.stop_token_ids + (() if seq.params.ignore_eos else self.eos_token_ids)
                     entries.update(dict.fromkeys(banned, -np.inf))
                 entries = {int(k): v for k, v in entries.items() if 0 <= int(k) < self.vocab_size}
@@ -357,21 +377,36 @@ class ModelRunner:
         return found
 
     def execute(self, step: ScheduledStep, bucket: tuple[int, int] | None = None) -> StepResult:
-        bucket = bucket or self.bucket_for(step.num_tokens, len(step.seqs))
-        inputs, rows = self._inputs(step, bucket, self._image_embeds(step) if self.multimodal and step else None)
+        return self.collect(self.dispatch(step, bucket))
+
+    def dispatch(self, step: ScheduledStep, bucket: tuple[int, int] | None = None,
+                 after: PendingStep | None = None) -> PendingStep:
+        """Starts `step` on the device and returns without waiting for it. after: a step dispatched before, not read
+        back yet, whose sequences this step decodes once more (one token each, in the same order): its tokens, on
+        the device, are this step's ids, and every sequence is one token further than its host state says."""
+        bucket = bucket or (after.bucket if after is not None else self.bucket_for(step.num_tokens, len(step.seqs)))
+        inputs, rows = self._inputs(step, bucket, self._image_embeds(step) if self.multimodal and step else None,
+                                    ahead=int(after is not None))
+        if after is not None:
+            inputs = (after.next_ids, *inputs[1:])
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
-        out, pooled, classified = self.run_inputs(bucket, inputs)
+        return PendingStep(step, bucket, rows, self.run_inputs(bucket, inputs))
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Waits for a dispatched step and reads back what the host needs of it."""
+        out, pooled, classified, _ = pending.outputs
         tokens, logprobs, top_ids, top_logprobs = unpack(np.asarray(out))
-        if any(q.pooled is not None for q in step.seqs):
-            pooled = (np.asarray(pooled)[:len(step.seqs)], np.asarray(classified)[:len(step.seqs)])
+        seqs = pending.step.seqs
+        if any(q.pooled is not None for q in seqs):
+            pooled = (np.asarray(pooled)[:len(seqs)], np.asarray(classified)[:len(seqs)])
         else:
             pooled = None
         if self._watchdog is not None:
             self._watchdog.finished()
-        n = len(rows)
-        return StepResult(rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n], pooled)
+        n = len(pending.rows)
+        return StepResult(pending.rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n], pooled)
 
     def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False) -> list[jax.Array]:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the
@@ -394,11 +429,12 @@ class ModelRunner:
         if key is not None:
             self.executable_cache.save(key, run)
 
-    def _inputs(self, step: ScheduledStep, bucket: tuple[int, int],
-                embeds: dict[bytes, np.ndarray] | None = None) -> tuple[tuple, list[Sequence]]:
+    def _inputs(self, step: ScheduledStep, bucket: tuple[int, int], embeds: dict[bytes, np.ndarray] | None = None,
+                ahead: int = 0) -> tuple[tuple, list[Sequence]]:
         """The step's host inputs padded to `bucket`: (ids, positions, metadata, logit rows, sampling[, images]),
         and the sequences that get a token, in row order. embeds: a vision-language model's image embeddings by
-        image hash (`_image_embeds`)."""
+        image hash (`_image_embeds`); ahead: tokens each sequence has beyond its host state (a step dispatched
+        after one not read back yet; its ids come from the device)."""
         t, s = bucket
         ids = np.zeros(t, np.int32)
         positions = np.zeros((3, t) if self.multimodal else t, np.int32)
@@ -407,8 +443,9 @@ class ModelRunner:
         logit_rows = np.zeros(s, np.int32)
         at = 0
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
-            start = seq.num_computed_tokens
-            ids[at:at + n] = seq.token_ids[start:start + n]
+            start = seq.num_computed_tokens + ahead
+            if not ahead:
+                ids[at:at + n] = seq.token_ids[start:start + n]
             mm = seq.request.mm
             if mm is not None:
                 positions[:, at:at + n] = mm.position_rows(start, n)
@@ -420,15 +457,15 @@ class ModelRunner:
             else:
                 positions[..., at:at + n] = np.arange(start, start + n)
             at += n
-            if start + n == seq.num_tokens and seq.pooled is None:  # the chunk reaches the end: sample a token
+            if start + n == seq.num_tokens + ahead and seq.pooled is None:  # the chunk reaches the end: sample
                 logit_rows[len(rows)] = at - 1
                 rows.append(seq)
         meta = AttentionMetadata.build(
-            query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + n for q, n in
+            query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + ahead + n for q, n in
                                                           zip(step.seqs, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
-        inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s))
+        inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s, ahead))
         if self.multimodal:
             inputs += (self._no_images[t] if images is None else images,)
         return inputs, rows

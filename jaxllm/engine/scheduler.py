@@ -152,6 +152,19 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return step
 
+    def lookahead(self, step: ScheduledStep) -> ScheduledStep | None:
+        """The decode step that follows `step` (all decodes) for the same sequences, one token each, to be run before
+        `step`'s tokens are read back (they reach it on the device); None when something waits to be admitted (it
+        goes first) or a sequence has no room for one more token without preempting. Grows the pages now."""
+        if self.waiting or not step.seqs:
+            return None
+        need = sum(self.bm.pages_needed(q.num_computed_tokens + 2) - len(q.block_table) for q in step.seqs)
+        if need > self.bm.num_free_pages:
+            return None
+        for seq in step.seqs:
+            self.bm.grow(seq, seq.num_computed_tokens + 2)
+        return ScheduledStep(list(step.seqs), [1] * len(step.seqs))
+
     def finish(self, seq: Sequence) -> None:
         """Removes a finished or aborted sequence and frees its pages."""
         if seq in self.running:

@@ -78,16 +78,16 @@ def test_logprobs_match_transformers_through_chunked_prefill(request, monkeypatc
     _clear_prefix_cache(engine)
     images = [_image(2 + k) for k in range(num_images)]
     cuts = []
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
-    def recording(step, bucket=None):
+    def recording(step, bucket=None, after=None):
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             end = seq.num_computed_tokens + n
             if seq.request.mm is not None:
                 cuts.extend(im for im in seq.request.mm.images if im.offset < end < im.end)
-        return execute(step, bucket)
+        return dispatch(step, bucket, after)
 
-    monkeypatch.setattr(engine.runner, "execute", recording)
+    monkeypatch.setattr(engine.runner, "dispatch", recording)
     encoded = engine.runner.encoder_cache.encoded
     engine.runner.encoder_cache.clear()
     (out,) = llm.generate({"prompt_token_ids": _prompt(llm.get_tokenizer(), num_images),

@@ -112,14 +112,14 @@ def test_embeddings_mixed_into_32_generation_streams(engines, monkeypatch):
     engine.block_manager.page_of_hash.clear()  # no prefix-cache help the first run did not have either
     engine.block_manager.hash_of_page.clear()
     mixed_steps = []
-    execute = engine.runner.execute
+    dispatch = engine.runner.dispatch
 
-    def recording(step, bucket=None):
+    def recording(step, bucket=None, after=None):
         kinds = {seq.pooled is None for seq in step.seqs}
         mixed_steps.append(kinds == {True, False})
-        return execute(step, bucket)
+        return dispatch(step, bucket, after)
 
-    monkeypatch.setattr(engine.runner, "execute", recording)
+    monkeypatch.setattr(engine.runner, "dispatch", recording)
     before = compile_monitor.snapshot()
     results, texts = {}, list(enumerate(TEXTS))
     arrivals = []  # generation and embedding requests interleaved, arriving one a step after the first eight

@@ -19,12 +19,12 @@ def __getattr__(name: str):
 
         _app = server.app.app
         runner = _app.extensions["jaxllm"].engine.runner
-        execute = runner.execute
+        dispatch = runner.dispatch
 
-        def failing_execute(step, bucket=None):
+        def failing_dispatch(step, bucket=None, after=None):
             if any(seq.token_ids[:len(DEVICE_FAILURE)] == DEVICE_FAILURE for seq in step.seqs):
                 raise RuntimeError("injected device failure")
-            return execute(step, bucket)
+            return dispatch(step, bucket, after)
 
-        runner.execute = failing_execute
+        runner.dispatch = failing_dispatch
     return _app
