@@ -334,8 +334,9 @@ class LLMEngine:
     def _may_look_ahead(self, step) -> bool:
         """Whether the decode step after `step` can be built without `step`'s tokens: every sequence decodes one
         token, and nothing it samples with depends on the tokens (penalties read them, a grammar's mask follows
-        them, min_tokens' bans end with a count) on a model whose step inputs are all host-built otherwise."""
-        if not self.config.async_scheduling or self.runner.multimodal or self._leader is not None:
+        them, min_tokens' bans end with a count). (A vision-language model's decode steps hold no image tokens, and
+        their M-RoPE positions are known ahead.)"""
+        if not self.config.async_scheduling or self._leader is not None:
             return False
         going_on = False
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):

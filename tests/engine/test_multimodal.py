@@ -77,10 +77,11 @@ def test_logprobs_match_transformers_through_chunked_prefill(request, monkeypatc
     engine = llm.engine
     _clear_prefix_cache(engine)
     images = [_image(2 + k) for k in range(num_images)]
-    cuts = []
+    cuts, ahead = [], []
     dispatch = engine.runner.dispatch
 
     def recording(step, bucket=None, after=None):
+        ahead.append(after is not None)
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             end = seq.num_computed_tokens + n
             if seq.request.mm is not None:
@@ -106,6 +107,7 @@ def test_logprobs_match_transformers_through_chunked_prefill(request, monkeypatc
         for tid, lp in entry.items():
             assert abs(row[tid] - lp.logprob) < 1e-4, (k, tid)
     assert engine.runner.encoder_cache.encoded - encoded == num_images  # once each, though prefilled in chunks
+    assert any(ahead)  # decode steps ran ahead (async scheduling), their M-RoPE positions built one step on
     if num_images:
         assert cuts, "no prefill chunk ended inside an image"
 
