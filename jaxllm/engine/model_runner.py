@@ -189,7 +189,6 @@ class ModelRunner:
         self.multimodal = getattr(model, "multimodal", False)
         self.encoder, self.encoder_cache = encoder, encoder_cache
         if self.multimodal:  # text-only steps pass these: nothing to transfer
-            self.image_token_id = model.vl_config.image_token_id
             levels = model.visual.feature_levels
             self._no_images = {t: put(np.zeros((levels, t, cfg.hidden_size), model.dtype)) for t, _ in self.buckets}
         self._treedefs: dict[tuple[int, int], object] = {}
