@@ -12,6 +12,10 @@ the step a TPU or GPU runs, with the native kernels. Every rule lives here:
 - A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);
   ``interpret=False`` forces the native kernel, which only lowers (e.g. for `jax.export` to that platform).
 - A CPU kernel asked for another platform, or for a cache dtype it does not handle, is an error, not a fallback.
+- The layer loop of a stacked model: unrolled on GPU (XLA:GPU fuses a static slice of a stacked weight into the
+  GEMM that reads it, but copies a scan's dynamic slice out first: three HBM crossings of every weight a step;
+  `benchmarks/gpu_hlo_report.py` shows both), a scan elsewhere (one layer to trace and compile; the CPU matmul
+  kernels read the stacked weight in place, and XLA:TPU fuses the dynamic slice into the dot's operand).
 - Under tensor parallelism a kernel GSPMD cannot partition (a Pallas kernel: "Mosaic kernels cannot be
   automatically partitioned") runs inside `jax.shard_map` over the mesh's ``tp`` axis, each device on its own
   KV heads; the jnp reference is left to GSPMD.
@@ -36,6 +40,7 @@ from pallas_kernels.ragged_paged_attention.cpu import CACHE_DTYPES as CPU_CACHE_
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
 MATMUL_IMPLS = ("auto", "reference", "cpu")
+LAYER_LOOPS = ("auto", "scan", "unrolled")
 PLATFORMS = ("cpu", "tpu", "gpu")
 _NATIVE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
 
@@ -55,27 +60,35 @@ class Kernels:
     platform: str  # the platform the step is built for
     interpret: bool = False  # a Pallas attention kernel in the interpreter (off its platform)
     mesh: Mesh | None = None  # with a tp axis of more than one device: the attention kernel runs per device
+    layer_loop: str = "scan"  # scan | unrolled: how a stacked model runs its layers
 
     def __post_init__(self):
-        if self.attention not in ATTENTION_IMPLS[1:] or self.matmul not in MATMUL_IMPLS[1:]:
-            raise ValueError(f"Kernels holds chosen implementations, not {self.attention!r} / {self.matmul!r}")
+        if (self.attention not in ATTENTION_IMPLS[1:] or self.matmul not in MATMUL_IMPLS[1:]
+                or self.layer_loop not in LAYER_LOOPS[1:]):
+            raise ValueError(f"Kernels holds chosen implementations, not {self.attention!r} / {self.matmul!r} / "
+                             f"{self.layer_loop!r}")
         normalize_platform(self.platform)
 
 
 def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platform: str | None = None,
                    dtype=jnp.float32, kv_dtype=None, tensor_parallel_size: int = 1, interpret: bool | None = None,
-                   mesh: Mesh | None = None) -> Kernels:
+                   mesh: Mesh | None = None, layer_loop: str = "auto") -> Kernels:
     """The kernels for a step on `platform` (default: the current backend) with weights of `dtype` and a KV cache
     of `kv_dtype` (default: `dtype`), over `mesh` (its ``tp`` size is the tensor-parallel size) or
     `tensor_parallel_size` devices.
-    interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own."""
+    interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own.
+    layer_loop: "auto" = unrolled on GPU, a scan elsewhere."""
     if mesh is not None:
         tensor_parallel_size = mesh.shape[TP_AXIS]
     if attn_impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention implementation {attn_impl!r}; choose one of {ATTENTION_IMPLS}")
     if matmul_impl not in MATMUL_IMPLS:
         raise ValueError(f"unknown matmul implementation {matmul_impl!r}; choose one of {MATMUL_IMPLS}")
+    if layer_loop not in LAYER_LOOPS:
+        raise ValueError(f"unknown layer loop {layer_loop!r}; choose one of {LAYER_LOOPS}")
     platform = normalize_platform(platform or jax.default_backend())
+    if layer_loop == "auto":
+        layer_loop = "unrolled" if platform == "gpu" else "scan"
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
     cpu_kernels = platform == "cpu" and tensor_parallel_size == 1
     if attn_impl == "auto":
@@ -90,7 +103,8 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
         raise ValueError(f"the cpu attention kernel reads float32, float16 or bfloat16 caches, not {kv_dtype.name}")
     if interpret is None:
         interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
-    return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None)
+    return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None,
+                   layer_loop)
 
 
 def _write_then(attention: Callable) -> Callable:

@@ -1,2 +1,13 @@
 """Attention kernels for the paged KV cache: a jnp reference (the CPU fast path) and Pallas kernels for TPU
 and GPU, all behind one signature."""
+
+import jax
+
+
+def take_layer(stacked: jax.Array, layer: jax.Array | int) -> jax.Array:
+    """Layer `layer` of a stack [layers, ...]. A Python int (an unrolled layer loop) is a static slice, which XLA:GPU
+    fuses into the consumer's operand (a GEMM reads the layer in place); a traced index (a scan) is a dynamic
+    slice."""
+    if isinstance(layer, int):
+        return stacked[layer]
+    return jax.lax.dynamic_index_in_dim(stacked, layer, keepdims=False)

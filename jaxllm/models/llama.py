@@ -13,6 +13,8 @@ after `stack_layers()`, one `StackedLayers` module run with a scan (what the loa
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -106,8 +108,8 @@ class LlamaForCausalLM(nnx.Module):
     def set_matmul_impl(self, impl: str) -> None:
         """Switches the matmul kernel only (e.g. "reference" or "cpu"), keeping the rest of the choice."""
         k = self.kernels
-        self.set_kernels(choose_kernels(k.attention, impl, platform=k.platform, dtype=self.dtype,
-                                        interpret=k.interpret))
+        self.set_kernels(dataclasses.replace(k, matmul=choose_kernels(
+            k.attention, impl, platform=k.platform, dtype=self.dtype, interpret=k.interpret).matmul))
 
     @property
     def attn_impl(self) -> str:
@@ -140,9 +142,10 @@ class LlamaForCausalLM(nnx.Module):
             self.layers = nnx.List(self.layers.unstack())
 
     def _run_layers(self, fn, x: jax.Array, carry):
-        """fn(layer, x, carry, index) -> (x, carry) over the layers: scanned when stacked, unrolled otherwise."""
+        """fn(layer, x, carry, index) -> (x, carry) over the layers: stacked, as the kernel choice says (a scan, or
+        unrolled over static slices on GPU); unrolled otherwise."""
         if self.stacked:
-            return self.layers.scan(fn, x, carry)
+            return self.layers.scan(fn, x, carry, unroll=self.kernels.layer_loop == "unrolled")
         for index, layer in enumerate(self.layers):
             x, carry = fn(layer, x, carry, index)
         return x, carry

@@ -1,9 +1,13 @@
 """Decoder layers that share one structure, kept as one layer module whose parameters carry a leading
-``[num_layers]`` axis and run with `jax.lax.scan`.
+``[num_layers]`` axis and run with `jax.lax.scan`, or unrolled over static slices of the stacks.
 
-Tracing, lowering and compiling a step then handle one layer instead of every layer (the cost of a bucket's
+Scanned, tracing, lowering and compiling a step handle one layer instead of every layer (the cost of a bucket's
 build stops growing with depth), and a step passes one stacked array per kind of weight instead of one per
-layer. A model whose layers differ (a notebook replaced one) keeps its `nnx.List` and runs unrolled.
+layer. Unrolled (what the kernel choice asks for on GPU: `Kernels.layer_loop`), each layer's weights are static
+slices of the stacks, which XLA:GPU fuses into the GEMMs' operands; in a scan XLA:GPU copies every layer's
+dynamic slice out before its GEMM reads it (each weight crosses HBM three times a step: see
+`benchmarks/gpu_hlo_report.py`). A model whose layers differ (a notebook replaced one) keeps its `nnx.List` and
+runs unrolled.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
+
+from pallas_kernels import take_layer
 
 LAYERS_AXIS = "layers"  # logical name of the leading axis: never sharded (no sharding rule names it)
 
@@ -47,14 +53,14 @@ def _stack(values: list) -> jax.Array | jax.ShapeDtypeStruct:
 
 @jax.tree_util.register_pytree_node_class
 class LayerSlice:
-    """Slice `index` of a stacked parameter, not yet taken. Inside the scan a layer's parameters hold these: a
+    """Slice `index` of a stacked parameter, not yet taken. Inside the layer loop a layer's parameters hold these: a
     matmul kernel given (stacked, index) reads the slice in place, where an XLA:CPU dot on a dynamic slice of
     the stack copies the slice first (every weight of every layer, every step). Anything else indexes it
     (``var[...]``) and gets the slice as an array."""
 
-    def __init__(self, stacked: jax.Array, index: jax.Array):
+    def __init__(self, stacked: jax.Array, index: jax.Array | int):
         self.stacked = stacked  # [num_layers, ...]
-        self.index = index  # [] int32
+        self.index = index  # [] int32 (scanned) or int (unrolled)
 
     def tree_flatten(self):
         return (self.stacked, self.index), None
@@ -72,7 +78,7 @@ class LayerSlice:
         return self.stacked.dtype
 
     def __getitem__(self, key):
-        return jax.lax.dynamic_index_in_dim(self.stacked, self.index, keepdims=False)[key]
+        return take_layer(self.stacked, self.index)[key]
 
 
 def _unstacked(value, i: int):
@@ -128,10 +134,17 @@ class StackedLayers(nnx.Module):
         raise TypeError("the layers are stacked into one scanned module; call model.unstack_layers() to get (and "
                         "edit) separate layers, and model.stack_layers() to stack them again")
 
-    def scan(self, fn: Callable[[nnx.Module, jax.Array, Any, jax.Array], tuple[jax.Array, Any]], x: jax.Array,
-             carry: Any) -> tuple[jax.Array, Any]:
-        """Applies fn(layer, x, carry, index) -> (x, carry) for each layer in order, tracing fn once."""
+    def scan(self, fn: Callable[[nnx.Module, jax.Array, Any, jax.Array | int], tuple[jax.Array, Any]],
+             x: jax.Array, carry: Any, unroll: bool = False) -> tuple[jax.Array, Any]:
+        """Applies fn(layer, x, carry, index) -> (x, carry) for each layer in order: in a `jax.lax.scan` (fn traced
+        once, index a traced int32), or, with `unroll`, in a Python loop (index an int, each parameter a static
+        slice of its stack)."""
         graphdef, state = nnx.split(self.layer)
+        if unroll:
+            for index in range(self.num_layers):
+                layer = nnx.merge(graphdef, jax.tree.map(lambda a, i=index: LayerSlice(a, i), state))
+                x, carry = fn(layer, x, carry, index)
+            return x, carry
 
         def body(c, index):
             layer_state = jax.tree.map(lambda a: LayerSlice(a, index), state)

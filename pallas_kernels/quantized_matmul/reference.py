@@ -8,6 +8,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import take_layer
+
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, QuantFormat, QuantizedWeight
 
 
@@ -44,8 +46,7 @@ def take_rows(w: QuantizedWeight, fmt: QuantFormat, ids: jax.Array, dtype=jnp.fl
 def layer_of(w: QuantizedWeight, layer: jax.Array | None) -> QuantizedWeight:
     if layer is None:
         return w
-    return QuantizedWeight(*(None if a is None else jax.lax.dynamic_index_in_dim(a, layer, keepdims=False)
-                             for a in w))
+    return QuantizedWeight(*(None if a is None else take_layer(a, layer) for a in w))
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:

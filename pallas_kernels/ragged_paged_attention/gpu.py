@@ -1,12 +1,18 @@
 """Ragged paged attention as a Pallas GPU kernel (Triton backend).
 
-Grid: (kv_heads, query blocks, KV splits). A program holds its block's queries for one KV head as a
-``[block_q * group, head_dim]`` tile (q heads sharing that KV head are stacked as rows, padded to a power of
-two as Triton requires), walks the sequences in its block and, for each, loads the pages of its share of
-the context one page at a time (a page of one head is ``page_size * head_dim`` contiguous elements, so the
-loads coalesce), folding them into an online softmax. With several KV splits (decode batches with long
-contexts, where query blocks alone leave most SMs idle) each program covers a slice of the pages and
-writes unnormalised partials that are merged afterwards by log-sum-exp.
+Grid: (kv_heads, query blocks, KV splits). A program holds its block's queries for one KV head as one
+``[block_q * group, head_dim]`` tensor-core tile (the q heads sharing that KV head are stacked as rows, the group
+padded to a power of two as Triton requires), walks the sequences in its block and, for each, streams the pages
+of its share of the context ``pages_per_iter`` pages per loop iteration (a page of one head is
+``page_size * head_dim`` contiguous elements, so each load coalesces, and the iteration's loads are in flight
+together), folding each iteration into an online softmax once. With several KV splits (flash-decoding: decode
+batches too small to fill the SMs with query blocks alone) each program covers a share of the pages, sized at run
+time from the longest context in the step so that short contexts spread over every split too, and writes
+unnormalised partials merged afterwards by log-sum-exp; with one split the program normalises and writes the
+output itself.
+
+Block sizes are a per-shape decision made when a step is traced (at start-up, once per bucket; never per step):
+`block_sizes` reads them from `BLOCK_TABLE` and sizes the splits to fill the device's SMs.
 
 The Triton backend is chosen explicitly with ``triton.CompilerParams``: JAX's Mosaic GPU backend (the
 default for ``pallas_call`` on CUDA) is built around TMA/warpgroup pipelines for dense tiles and ships no
@@ -15,6 +21,7 @@ paged attention; the Triton lowering also runs on ROCm.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,14 +29,60 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels.ragged_paged_attention.blocks import DEFAULT_BLOCK_Q, block_seq_ranges
+from pallas_kernels.ragged_paged_attention.blocks import block_seq_ranges
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
 
+SM_COUNT = 132  # H100 SXM; the split count only needs the order of magnitude (H200: 132, A100: 108)
+MIN_ROWS = 16  # a tensor-core tile's smallest M
 
-def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref, v_ref,
-            o_ref, m_ref, l_ref,
-            *, group: int, block_q: int, max_pages: int, pages_per_split: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None):
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    block_q: int  # query tokens per program
+    tokens_per_iter: int  # KV tokens folded per loop iteration (a whole number of pages, at least one)
+    num_warps: int
+    num_stages: int
+    num_splits: int = 1  # programs along the context, per (KV head, query block)
+
+    def pages_per_iter(self, page_size: int) -> int:
+        return max(1, self.tokens_per_iter // page_size)
+
+
+# (step kind, head_dim) -> block sizes. Decode: a program per (KV head, block of block_q sequences) whose tile
+# has MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
+# blocks x 64-token blocks of pages. num_splits is set by `block_sizes`.
+BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
+    ("decode", 64): (MIN_ROWS, 128, 4, 2),
+    ("decode", 128): (MIN_ROWS, 128, 4, 2),
+    ("decode", 256): (MIN_ROWS, 64, 4, 2),
+    ("prefill", 64): (128, 64, 4, 2),
+    ("prefill", 128): (128, 64, 8, 2),
+    ("prefill", 256): (64, 32, 8, 2),
+}
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, page_size: int,
+                max_pages: int, sm_count: int = SM_COUNT) -> BlockSizes:
+    """The block sizes for a step's static shapes: the table's row for (decode or prefill, head_dim), and, for a
+    decode step, enough KV splits that the grid has about two programs per SM."""
+    kind = "decode" if num_tokens <= num_seqs else "prefill"
+    rows, tokens_per_iter, warps, stages = BLOCK_TABLE[(kind, min(256, max(64, _pow2(head_dim))))]
+    block_q = max(1, rows // _pow2(group))
+    splits = 1
+    if kind == "decode":
+        programs = num_kv_heads * -(-num_seqs // block_q)
+        pages_per_iter = max(1, tokens_per_iter // page_size)
+        splits = max(1, min(-(-2 * sm_count // programs), max_pages // pages_per_iter, 32))
+    return BlockSizes(block_q, tokens_per_iter, warps, stages, splits)
+
+
+def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_ref, k_ref, v_ref, *out_refs,
+            group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
+            sliding_window: int | None, soft_cap: float | None, normalise: bool):
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape
     page_size = k_ref.shape[1]
@@ -41,6 +94,7 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref,
     precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
     q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(cdt)  # [rows, D]
     tok = b * block_q + jnp.arange(rows, dtype=jnp.int32) // group  # [rows]
+    pages_per_split = split_ref[0]  # a multiple of pages_per_iter
 
     def seq_body(s, carry):
         q_start, q_end, kv_len = qsl_ref[s], qsl_ref[s + 1], kv_lens_ref[s]
@@ -52,58 +106,62 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, q_ref, k_ref,
         first_page = jnp.int32(0)
         if sliding_window is not None:
             first_page = jnp.maximum(ctx_start + lo - q_start - sliding_window + 1, 0) // page_size
+            first_page = first_page // pages_per_iter * pages_per_iter  # iterations stay aligned with the split
         num_pages = jnp.where(hi > lo, (ctx_start + hi - 1 - q_start) // page_size + 1, 0)
         start = jnp.maximum(first_page, split * pages_per_split)
         stop = jnp.minimum(num_pages, (split + 1) * pages_per_split)
 
-        def page_body(j, carry):
+        def iteration(it, carry):
             m, denom, acc = carry
-            page = tables_ref[s * max_pages + j]
-            k = k_ref[page].astype(cdt)  # [page_size, D]
-            v = v_ref[page].astype(cdt)
-            scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)
-            if soft_cap is not None:
-                scores = soft_cap * jnp.tanh(scores / soft_cap)
-            k_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
-            mask = in_seq[:, None] & (k_pos[None, :] <= q_pos[:, None])
-            if sliding_window is not None:
-                mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
-            scores = jnp.where(mask, scores, MASK_VALUE)
-            m_new = jnp.maximum(m, scores.max(axis=1))
-            p = jnp.where(mask, jnp.exp(scores - m_new[:, None]), 0.0)
+            j0 = start + it * pages_per_iter
+            scores, values = [], []
+            for i in range(pages_per_iter):  # the iteration's pages: loads issued together
+                j = j0 + i
+                page = tables_ref[s * max_pages + jnp.minimum(j, stop - 1)]  # past stop: a page read already
+                k = k_ref[page].astype(cdt)  # [page_size, D]
+                sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)  # [rows, page_size]
+                if soft_cap is not None:
+                    sc = soft_cap * jnp.tanh(sc / soft_cap)
+                k_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
+                mask = in_seq[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (j < stop)
+                if sliding_window is not None:
+                    mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+                scores.append(jnp.where(mask, sc, MASK_VALUE))
+                values.append(v_ref[page].astype(cdt))
+            m_new = m
+            for sc in scores:
+                m_new = jnp.maximum(m_new, sc.max(axis=1))
             alpha = jnp.exp(m - m_new)
-            denom = denom * alpha + p.sum(axis=1)
-            acc = acc * alpha[:, None] + jax.lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())),
-                                                             precision=precision,
-                                                             preferred_element_type=jnp.float32)
+            denom, acc = denom * alpha, acc * alpha[:, None]
+            for sc, v in zip(scores, values, strict=True):
+                p = jnp.where(sc > MASK_VALUE, jnp.exp(sc - m_new[:, None]), 0.0)
+                denom = denom + p.sum(axis=1)
+                acc = acc + jax.lax.dot_general(p.astype(cdt), v, (((1,), (0,)), ((), ())), precision=precision,
+                                                preferred_element_type=jnp.float32)
             return m_new, denom, acc
 
-        return jax.lax.fori_loop(start, stop, page_body, carry)
+        iterations = jnp.maximum(stop - start, 0) + pages_per_iter - 1
+        return jax.lax.fori_loop(0, iterations // pages_per_iter, iteration, carry)
 
     init = (jnp.full((rows,), MASK_VALUE, jnp.float32), jnp.zeros((rows,), jnp.float32),
             jnp.zeros((rows, d), jnp.float32))
     m, denom, acc = jax.lax.fori_loop(first_ref[0 + b], last_ref[0 + b] + 1, seq_body, init)
-    o_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = denom
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+    if normalise:
+        (o_ref,) = out_refs
+        o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = denom
 
 
 def _pad_to_pow2(x: jax.Array) -> jax.Array:
     return jnp.pad(x, (0, _pow2(x.shape[0]) - x.shape[0]))
 
 
-def default_num_splits(num_tokens: int, num_seqs: int, max_pages: int) -> int:
-    """Split the context only for decode-shaped steps (one token per sequence) with long block tables."""
-    return max(1, min(8, max_pages // 16)) if num_tokens <= num_seqs else 1
-
-
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "num_splits",
-                                             "interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_cache: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
@@ -115,57 +173,92 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    block_q: int = DEFAULT_BLOCK_Q,
-    num_splits: int | None = None,
+    sizes: BlockSizes | None = None,
     interpret: bool = False,
-    num_warps: int = 4,
-    num_stages: int = 2,
 ) -> jax.Array:  # [T, num_heads, head_dim]
+    """sizes: the block sizes (default: `block_sizes` for these shapes)."""
     t, h, d = q.shape
     kvh, _, page_size, _ = k_cache.shape
     num_seqs, max_pages = block_tables.shape
-    for name, n in (("page_size", page_size), ("head_dim", d), ("block_q", block_q)):
+    for name, n in (("page_size", page_size), ("head_dim", d)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"the GPU kernel needs {name} to be a power of two >= 16, got {n}")
     group = h // kvh
     gp = _pow2(group)
+    sizes = sizes or block_sizes(t, num_seqs, kvh, group, d, page_size, max_pages)
+    block_q, splits = sizes.block_q, sizes.num_splits
+    if block_q * gp < MIN_ROWS or block_q & (block_q - 1):
+        raise ValueError(f"block_q={block_q} gives {block_q * gp} rows; the tile needs a power of two >= {MIN_ROWS}")
+    pages_per_iter = sizes.pages_per_iter(page_size)
     num_blocks = -(-t // block_q)
     t_pad = num_blocks * block_q
     rows = block_q * gp
-    splits = num_splits or default_num_splits(t, num_seqs, max_pages)
-    pages_per_split = -(-max_pages // splits)
     qk = jnp.pad(q.reshape(t, kvh, group, d), ((0, t_pad - t), (0, 0), (0, gp - group), (0, 0)))
     qk = qk.transpose(1, 0, 2, 3).reshape(kvh, t_pad * gp, d)  # [kv_heads, T * group_pow2, D]
     first, last = block_seq_ranges(query_start_loc, t, block_q)
+    # Each split's share of the pages, from the longest context in this step, in whole iterations.
+    needed = (jnp.max(kv_lens) + page_size - 1) // page_size
+    per_split = -(-needed // splits)
+    per_split = (per_split + pages_per_iter - 1) // pages_per_iter * pages_per_iter
     ints = [_pad_to_pow2(x.astype(jnp.int32)) for x in
-            (kv_lens, block_tables.reshape(-1), query_start_loc, first, last)]
+            (kv_lens, block_tables.reshape(-1), query_start_loc, first, last, per_split.reshape(1))]
+    normalise = splits == 1
     kernel = functools.partial(_kernel, group=gp, block_q=block_q, max_pages=max_pages,
-                               pages_per_split=pages_per_split, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap)
+                               pages_per_iter=pages_per_iter, sm_scale=sm_scale, sliding_window=sliding_window,
+                               soft_cap=soft_cap, normalise=normalise)
     whole = [pl.BlockSpec(x.shape, lambda hh, bb, ss: (0,)) for x in ints]
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda hh, bb, ss: (hh, 0, 0, 0))
-    acc, m, denom = pl.pallas_call(
+    if normalise:
+        out_specs = [pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0))]
+        out_shape = [jax.ShapeDtypeStruct((kvh, t_pad * gp, d), q.dtype)]
+    else:
+        out_specs = [pl.BlockSpec((None, None, rows, d), lambda hh, bb, ss: (ss, hh, bb, 0)),
+                     pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb)),
+                     pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb))]
+        out_shape = [jax.ShapeDtypeStruct((splits, kvh, t_pad * gp, d), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32)]
+    outs = pl.pallas_call(
         kernel,
         grid=(kvh, num_blocks, splits),
         in_specs=[*whole, pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0)), cache_spec, cache_spec],
-        out_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda hh, bb, ss: (ss, hh, bb, 0)),
-            pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb)),
-            pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, kvh, t_pad * gp, d), jnp.float32),
-            jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32),
-            jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32),
-        ],
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
     )(*ints, qk, k_cache, v_cache)
-    # Merge the splits: rescale each partial to the common max, then normalise.
-    m_all = m.max(axis=0)
-    scale = jnp.exp(m - m_all)  # [splits, kv_heads, rows_total]
-    denom = (denom * scale).sum(axis=0)
-    out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    if normalise:
+        out = outs[0]
+    else:  # merge the splits: rescale each partial to the common max, then normalise
+        acc, m, denom = outs
+        m_all = m.max(axis=0)
+        scale = jnp.exp(m - m_all)  # [splits, kv_heads, rows_total]
+        denom = (denom * scale).sum(axis=0)
+        out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
     out = out.reshape(kvh, t_pad, gp, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return out.astype(q.dtype)
+
+
+def pages_walked(query_lens: list[int], kv_lens: list[int], *, num_tokens: int, num_seqs: int, num_kv_heads: int,
+                 group: int, head_dim: int, page_size: int, max_pages: int,
+                 sliding_window: int | None = None) -> int:
+    """How many distinct KV pages (of one KV head, K or V) the kernel's programs read for a step of these
+    sequences, summed over its grid (an iteration's repeated last page is not counted: it is a cache hit). What it
+    takes from HBM: a model of the kernel's loop bounds, for `benchmarks/gpu_hlo_report.py`, where XLA sees only an
+    opaque custom call."""
+    sizes = block_sizes(num_tokens, num_seqs, num_kv_heads, group, head_dim, page_size, max_pages)
+    block_q, per_iter = sizes.block_q, sizes.pages_per_iter(page_size)
+    total, start = 0, 0
+    for q, ctx in zip(query_lens, kv_lens, strict=True):
+        ctx_start = ctx - q
+        for b in range(start // block_q, -(-(start + q) // block_q)):
+            lo, hi = max(start, b * block_q), min(start + q, (b + 1) * block_q)
+            first = 0
+            if sliding_window is not None:
+                first = max(ctx_start + lo - start - sliding_window + 1, 0) // page_size // per_iter * per_iter
+            total += (ctx_start + hi - 1 - start) // page_size + 1 - first
+        start += q
+    if start > num_tokens:
+        raise ValueError(f"{start} tokens do not fit {num_tokens}")
+    return total

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import jax
 
+from pallas_kernels import take_layer
+
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
-    """x [..., in], w [out, in] (or [layers, out, in] with `layer` [] int32) -> [..., out]."""
+    """x [..., in], w [out, in] (or [layers, out, in] with `layer`: [] int32, or an int) -> [..., out]."""
     if layer is not None:
-        w = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+        w = take_layer(w, layer)
     return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))

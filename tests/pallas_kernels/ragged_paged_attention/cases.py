@@ -28,11 +28,13 @@ class Case:
 
 
 def make_case(kind: str, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
-              seed: int = 0, pad_tokens: int = 5, pad_seqs: int = 2) -> Case:
+              seed: int = 0, pad_tokens: int = 5, pad_seqs: int = 2, cache_dtype=None,
+              seqs: list[tuple[int, int]] | None = None) -> Case:
     """Pages are assigned at random; every page no sequence owns is filled with NaN, so an implementation
-    that reads a page it does not own produces NaN."""
+    that reads a page it does not own produces NaN. cache_dtype: the KV cache's (default: `dtype`); seqs:
+    (query_len, context_len) of each sequence instead of the kind's."""
     rng = np.random.default_rng(seed)
-    seqs = KINDS[kind]
+    seqs = seqs or KINDS[kind]
     pages_needed = [-(-ctx // page_size) for _, ctx in seqs]
     num_pages = sum(pages_needed) + 7
     perm = rng.permutation(num_pages)
@@ -51,7 +53,8 @@ def make_case(kind: str, *, num_heads: int, num_kv_heads: int, head_dim: int, pa
         page_size=page_size, num_tokens=num_tokens, num_seqs=len(seqs) + pad_seqs,
         max_pages_per_seq=max(pages_needed) + 1)
     q = rng.standard_normal((num_tokens, num_heads, head_dim)).astype(np.float32)
-    return Case(jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), meta,
+    cache_dtype = cache_dtype or dtype
+    return Case(jnp.asarray(q, dtype), jnp.asarray(k, cache_dtype), jnp.asarray(v, cache_dtype), meta,
                 sum(q for q, _ in seqs))
 
 

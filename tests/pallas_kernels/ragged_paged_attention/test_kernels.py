@@ -53,18 +53,81 @@ def test_tpu_kernel_small_pages():
     _check("tpu", case, jnp.float32)
 
 
-@pytest.mark.parametrize("num_splits", [2, 3])
-def test_gpu_split_k_decode(num_splits):
-    case = make_case("decode", num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
-    expected = run(reference.ragged_paged_attention, case)
-    got = run(functools.partial(gpu.ragged_paged_attention, interpret=True, num_splits=num_splits), case)
+# Block sizes beyond the table's defaults at these small shapes: several pages per iteration (an iteration
+# crossing the end of a context, and its first page cut by a window), flash-decoding splits (3 splits over
+# contexts of 1-8 pages: some splits empty), larger query blocks.
+GPU_SIZES = [gpu.BlockSizes(4, 32, 4, 2, 1), gpu.BlockSizes(4, 64, 4, 2, 3), gpu.BlockSizes(8, 48, 4, 2, 2),
+             gpu.BlockSizes(16, 16, 4, 2, 1)]
+GPU_CASES = [(kind, sizes, options) for kind in ("decode", "prefill", "mixed") for sizes in GPU_SIZES
+             for options in ({}, {"sliding_window": 19, "soft_cap": 5.0})]
+
+
+@pytest.mark.parametrize(("kind", "sizes", "options"), GPU_CASES[::2] + GPU_CASES[1::6],
+                         ids=lambda x: str(x) if not isinstance(x, gpu.BlockSizes) else
+                         f"bq{x.block_q}-kv{x.tokens_per_iter}-s{x.num_splits}")
+def test_gpu_block_sizes(kind, sizes, options):
+    case = make_case(kind, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    expected = run(reference.ragged_paged_attention, case, **options)
+    got = run(functools.partial(gpu.ragged_paged_attention, interpret=True, sizes=sizes), case, **options)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_gpu_narrow_caches(kind, cache_dtype):
+    """bf16 queries over bf16 and fp8 caches (widened to bf16 in the kernel): the reference reads the same cache."""
+    case = make_case(kind, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.bfloat16,
+                     cache_dtype=cache_dtype)
+    expected = run(reference.ragged_paged_attention, case)
+    got = run(functools.partial(gpu.ragged_paged_attention, interpret=True,
+                                sizes=gpu.BlockSizes(4, 32, 4, 2, 2 if kind == "decode" else 1)), case)
+    np.testing.assert_allclose(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_gpu_long_decode_spreads_over_every_split():
+    """One long context and a short one with 4 splits: the split size follows the step's longest context (9
+    pages -> 3 per split, whole iterations of 1 page), so every split has work and the merge is exact."""
+    case = make_case("decode", num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32,
+                     seqs=[(1, 140), (1, 3)])
+    expected = run(reference.ragged_paged_attention, case)
+    got = run(functools.partial(gpu.ragged_paged_attention, interpret=True, sizes=gpu.BlockSizes(4, 16, 4, 2, 4)),
+              case)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_gpu_block_sizes_come_from_the_table():
+    """Decode shapes take the decode row (a tile of 16 rows: the group's heads of 16 / group tokens) and enough
+    splits for ~2 programs per SM; prefill and mixed shapes the prefill row (128-row tiles), one split."""
+    llama8b = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, max_pages=2048)
+    rows, per_iter, warps, stages = gpu.BLOCK_TABLE[("decode", 128)]
+    one = gpu.block_sizes(1, 1, **llama8b)
+    assert (one.block_q * 4, one.tokens_per_iter, one.num_warps, one.num_stages) == (rows, per_iter, warps, stages)
+    assert one.num_splits == 32  # 8 programs: 264 wanted, capped at 32
+    assert gpu.block_sizes(32, 32, **llama8b).num_splits == 5  # 64 programs
+    assert gpu.block_sizes(256, 256, **llama8b).num_splits == 1  # 512 programs fill the SMs already
+    prefill = gpu.block_sizes(2048, 256, **llama8b)
+    assert (prefill.block_q, prefill.num_splits) == (gpu.BLOCK_TABLE[("prefill", 128)][0] // 4, 1)
+    # never more splits than the longest possible context has iterations (8 pages: one iteration of 128 tokens)
+    assert gpu.block_sizes(1, 1, num_kv_heads=2, group=16, head_dim=64, page_size=16, max_pages=8).num_splits == 1
+    assert gpu.block_sizes(1, 1, num_kv_heads=2, group=16, head_dim=64, page_size=16, max_pages=80).num_splits == 10
+
+
+def test_pages_walked_counts_what_the_grid_reads():
+    llama8b = dict(num_tokens=256, num_seqs=256, num_kv_heads=8, group=4, head_dim=128, page_size=16,
+                   max_pages=2048)
+    assert gpu.pages_walked([1] * 256, [1024] * 256, **llama8b) == 256 * 64  # decode: each page once
+    prefill = dict(llama8b, num_tokens=2048)
+    # two 1024-token prompts in 32-token query blocks: block b of a prompt reads its first b + 1 pairs of pages
+    assert gpu.pages_walked([1024, 1024], [1024, 1024], **prefill) == 2 * sum(2 * (b + 1) for b in range(32))
 
 
 def test_gpu_kernel_rejects_shapes_triton_cannot_tile():
     case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=64, page_size=8, dtype=jnp.float32)
     with pytest.raises(ValueError, match="page_size to be a power of two >= 16, got 8"):
         run(gpu.ragged_paged_attention, case)
+    case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    with pytest.raises(ValueError, match="gives 4 rows"):
+        run(functools.partial(gpu.ragged_paged_attention, sizes=gpu.BlockSizes(2, 16, 4, 2)), case)
 
 
 # Engine-sized shapes: (tokens, sequences, page_size, pages in the cache, dtype); 32 heads / 8 KV heads, D=128.
