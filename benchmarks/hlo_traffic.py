@@ -161,6 +161,7 @@ class Kernel:
     moves_only: str | None  # "slice", "copy", ...: a kernel that only moves data (its root op); None otherwise
     source: str | None  # for a data-moving kernel: the shape of the operand it reads from
     gemm: bool = False
+    sort: bool = False  # a sort, or a fusion holding one
 
     @property
     def total(self) -> int:
@@ -287,7 +288,8 @@ class _Analyzer:
             gemm = "gemm" in ins.attrs or "cublas" in ins.attrs
             moves, source = (None, None) if gemm else self._moves_only(fused)
             return Kernel(ins.name, kind, read, self._written(fused, fused.root), count,
-                          " ".join(map(str, ins.shape)), moves, source, gemm)
+                          " ".join(map(str, ins.shape)), moves, source, gemm,
+                          any(i.opcode == "sort" for i in fused.instrs))
         if ins.opcode == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs).group(1)
             special = self.custom_bytes(ins, comp)
@@ -302,7 +304,8 @@ class _Analyzer:
             read, write = operands[2].bytes, operands[2].bytes
         moves = "copy" if ins.opcode in ("copy", "copy-start") else None
         return Kernel(ins.name, ins.opcode, read, write, count, " ".join(map(str, ins.shape)), moves,
-                      str(operands[0].shape[0]) if moves and operands and operands[0].shape else None)
+                      str(operands[0].shape[0]) if moves and operands and operands[0].shape else None,
+                      sort=ins.opcode == "sort")
 
 
 def analyze(text: str, custom_bytes: Callable[[Instr, Computation], int | None] = lambda ins, comp: None) -> Report:
@@ -325,6 +328,7 @@ def summary(report: Report, min_bytes: int = 1 << 20) -> dict:
             g["count"] += k.count
             g["bytes"] += k.total
     return {"bytes": report.bytes, "launches": report.launches, "moves": list(groups.values()),
+            "sorts": sum(k.count for k in report.kernels if k.sort),
             "conditionals": report.conditionals, "unknown_trip_counts": report.unknown_loops}
 
 

@@ -37,7 +37,18 @@ def test_a_pallas_kernel_off_its_platform_is_interpreted_unless_told_otherwise()
     assert not choose_kernels("pallas_tpu", platform="tpu").interpret
 
 
+def test_the_layer_loop_is_unrolled_on_gpu_only():
+    """XLA:GPU fuses a static slice of a stacked weight into the GEMM but copies a scan's dynamic slice out first
+    (benchmarks/gpu_hlo_report.py); elsewhere the scan stays (one layer to compile)."""
+    assert choose_kernels(platform="gpu", dtype=BF16).layer_loop == "unrolled"
+    assert choose_kernels(platform="tpu", dtype=BF16).layer_loop == "scan"
+    assert choose_kernels(platform="cpu").layer_loop == "scan"
+    assert choose_kernels(platform="gpu", dtype=BF16, layer_loop="scan").layer_loop == "scan"
+    assert choose_kernels(platform="cpu", layer_loop="unrolled").layer_loop == "unrolled"
+
+
 @pytest.mark.parametrize(("kwargs", "message"), [
+    ({"layer_loop": "while"}, "unknown layer loop 'while'"),
     ({"attn_impl": "flash"}, "unknown attention implementation 'flash'"),
     ({"matmul_impl": "fast"}, "unknown matmul implementation 'fast'"),
     ({"attn_impl": "cpu", "platform": "tpu"}, "the cpu attention kernel runs on CPU only"),

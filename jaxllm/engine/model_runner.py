@@ -52,7 +52,7 @@ def _step(graphdef, state_def, generates, pools, params, caches, ids, positions,
     s = logit_rows.shape[0]
     if generates:
         logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
-        tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling)
+        tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
         bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
         # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
         packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
@@ -344,7 +344,8 @@ class ModelRunner:
             mask = self._no_mask[s]
         return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, choices, steps, bias_ids,
                                bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
-                               np.bool_(any_random), np.bool_(any_logprobs), mask, np.bool_(bool(constrained)))
+                               np.bool_(any_random), np.bool_(any_logprobs), mask, np.bool_(bool(constrained)),
+                               np.bool_(any_bias))
 
     def lead(self, leader, watchdog) -> None:
         """Multi-host rank 0: from now on every step's inputs are sent to the follower hosts (`leader`, a

@@ -8,12 +8,16 @@ keys never repeat whatever n is): a seeded request gets the same tokens whatever
 Logprobs are those of the raw model distribution (vLLM's default), after a structured-output mask (which comes
 first: a token the grammar forbids has probability 0 everywhere).
 Filtering needs a sort of the vocabulary and penalties a scatter over the sequence's tokens; both run only
-in steps where some row asks for them.
+in steps where some row asks for them. A step that needs nothing but greedy tokens (no row samples, asks for
+logprobs, has a bias, penalties or a grammar) takes one branch that reads the logits once for the argmax: every
+other step's work, the sort included, sits in the other branch, and no branch returns the logits (a conditional
+that passes [S, V] logits through copies them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +48,12 @@ class SamplingTensors:
     any_logprobs: jax.Array  # [] bool: some row asked for logprobs
     token_mask: jax.Array  # [S, ceil(V / 32)] i32: bit j % 32 of word j // 32 allows token j (all ones: free)
     any_mask: jax.Array  # [] bool: some row is constrained
+    any_bias: jax.Array  # [] bool: some row has a logit bias (its own, or EOS/stop tokens banned before min_tokens)
+
+    @property
+    def only_greedy(self) -> jax.Array:
+        """[] bool: every row takes the argmax of the raw logits, and nothing else is asked for."""
+        return ~(self.any_random | self.any_logprobs | self.any_penalty | self.any_mask | self.any_bias)
 
 
 def _apply_mask(logits, t: SamplingTensors):
@@ -98,7 +108,16 @@ def argmax_last(x: jax.Array, block: int = 1024) -> jax.Array:
     return (best_block * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
 
 
-def _draw(scaled, t: SamplingTensors):
+def argmax_for(platform: str):
+    """The last-axis argmax for a step built for `platform`: the blocked form on CPU (`argmax_last`); elsewhere
+    XLA's own, which reads the logits once in whatever layout the LM head wrote them (XLA:GPU writes them
+    column-major, and the blocked form's reshape would transpose [S, V] first)."""
+    if platform == "cpu":
+        return argmax_last
+    return lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
+def _draw(scaled, t: SamplingTensors, argmax):
     v = scaled.shape[-1]
     def key(seed, choice, step):
         k = jax.random.fold_in(jax.random.key(seed[0]), seed[1])
@@ -106,7 +125,7 @@ def _draw(scaled, t: SamplingTensors):
 
     keys = jax.vmap(key)(t.seeds, t.choices, t.steps)
     gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
-    return argmax_last(scaled + gumbel)
+    return argmax(scaled + gumbel)
 
 
 def _logprobs(logits, tokens):
@@ -120,10 +139,22 @@ def _no_logprobs(logits, tokens):
     return jnp.zeros((s,), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
 
 
-def sample(logits: jax.Array, t: SamplingTensors):
+def sample(logits: jax.Array, t: SamplingTensors, platform: str = "cpu"):
     """logits [S, V] f32 -> (tokens [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]).
     Logprobs are zeros unless some row asked for them; the random draw and the filters run only when some
-    row samples, penalties only when some row has them (so a greedy batch pays for one argmax)."""
+    row samples, penalties only when some row has them (so a greedy batch pays for one argmax). platform: the
+    one the step is built for (`argmax_for`)."""
+    argmax = argmax_for(platform)
+    return jax.lax.cond(t.only_greedy, functools.partial(_greedy, argmax=argmax),
+                        functools.partial(_sample, argmax=argmax), logits, t)
+
+
+def _greedy(logits: jax.Array, t: SamplingTensors, argmax):
+    tokens = argmax(logits)
+    return (tokens, *_no_logprobs(logits, tokens))
+
+
+def _sample(logits: jax.Array, t: SamplingTensors, argmax):
     s, v = logits.shape
     # the grammar's mask first: greedy, sampling, penalties and logprobs all see the constrained distribution
     logits = jax.lax.cond(t.any_mask, _apply_mask, lambda x, _: x, logits, t)
@@ -132,12 +163,12 @@ def sample(logits: jax.Array, t: SamplingTensors):
     logits = logits.at[rows, jnp.where(t.bias_ids >= 0, t.bias_ids, v)].add(t.bias_values, mode="drop")
     logits = jax.lax.cond(t.any_penalty, _apply_penalties, lambda x, _: x, logits, t)
     greedy = t.temperature <= 0
-    argmax = argmax_last(logits)
+    best = argmax(logits)
 
     def draw(logits):
         scaled = logits / jnp.where(greedy, 1.0, t.temperature)[:, None]
         scaled = jax.lax.cond(t.any_filter, _apply_filters, lambda x, _: x, scaled, t)
-        return jnp.where(greedy, argmax, _draw(scaled, t))
+        return jnp.where(greedy, best, _draw(scaled, t, argmax))
 
-    tokens = jax.lax.cond(t.any_random, draw, lambda _: argmax, logits)
+    tokens = jax.lax.cond(t.any_random, draw, lambda _: best, logits)
     return (tokens, *jax.lax.cond(t.any_logprobs, _logprobs, _no_logprobs, raw, tokens))

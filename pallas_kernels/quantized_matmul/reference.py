@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import take_layer
-
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, QuantFormat, QuantizedWeight
 
 

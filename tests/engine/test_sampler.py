@@ -1,5 +1,7 @@
 """The device sampler: empirical distributions after filtering, penalties, bias, seeds, logprobs."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +32,7 @@ def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, fr
         jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
         jnp.bool_(temperature > 0), jnp.bool_(True),
         jnp.full((rows, 1 if mask is None else mask.shape[1]), -1, jnp.int32) if mask is None else jnp.asarray(mask),
-        jnp.bool_(mask is not None))
+        jnp.bool_(mask is not None), jnp.bool_(bool(bias)))
 
 
 def seed_words(seeds):
@@ -99,6 +101,22 @@ def test_greedy_bias_and_logprobs():
     assert int(biased[0]) == 2
     banned = sample(logits, tensors(1, temperature=1.0, bias={1: -jnp.inf, 3: -jnp.inf}, steps=[0]))[0]
     assert int(banned[0]) in (0, 2)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_greedy_only_step_takes_the_argmax_branch(platform):
+    """Nothing but greedy tokens asked for: the argmax of the raw logits (ties: the first), zero logprobs; the
+    same tokens as the full path; and any bias, logprobs or sampling row sends the step down the full path."""
+    rng = np.random.default_rng(5)
+    logits = jnp.asarray(rng.normal(0, 1, (6, 3000)), jnp.float32).at[2, 7].set(9.0).at[2, 11].set(9.0)
+    plain = dataclasses.replace(tensors(6, temperature=0.0), any_logprobs=jnp.bool_(False))
+    assert bool(plain.only_greedy)
+    tokens, lp, top_ids, top_lp = sample(logits, plain, platform)
+    assert tokens.tolist() == np.argmax(np.asarray(logits), axis=1).tolist() and int(tokens[2]) == 7
+    assert not np.any(np.asarray(lp)) and not np.any(np.asarray(top_ids)) and not np.any(np.asarray(top_lp))
+    assert sample(logits, tensors(6, temperature=0.0), platform)[0].tolist() == tokens.tolist()  # full path
+    for flag in ("any_logprobs", "any_random", "any_bias", "any_penalty", "any_mask"):
+        assert not bool(dataclasses.replace(plain, **{flag: jnp.bool_(True)}).only_greedy), flag
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
+from jaxllm.kernels import choose_kernels
 from jaxllm.models.layers import Linear
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.stacked_layers import LAYERS_AXIS, StackedLayers
@@ -41,6 +42,24 @@ def test_stacked_layers_give_the_unrolled_outputs_and_cache(attn_impl):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
         per_layer = np.asarray(a).reshape(CFG.num_kv_heads, CFG.num_layers, 12, 4, CFG.head_dim)
         assert all(np.any(per_layer[:, layer]) for layer in range(CFG.num_layers))
+
+
+@pytest.mark.parametrize(("attn_impl", "matmul_impl"), [("cpu", "cpu"), ("reference", "reference")])
+def test_stacked_layers_unrolled_give_the_scanned_outputs_and_cache(attn_impl, matmul_impl):
+    """The GPU's layer loop (`Kernels.layer_loop`: static slices of the stacks, no scan), run here on CPU."""
+    scanned = _model(attn_impl=attn_impl, matmul_impl=matmul_impl)
+    unrolled = _model(kernels=choose_kernels(attn_impl, matmul_impl, layer_loop="unrolled"))
+    assert scanned.stack_layers() and unrolled.stack_layers()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, CFG.vocab_size, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(unrolled(ids)), np.asarray(scanned(ids)), rtol=1e-5, atol=1e-5)
+    graphdef, state = nnx.split(unrolled)
+    hlo = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i)).lower(state, ids).as_text()
+    assert "stablehlo.while" not in hlo and "dynamic_slice" not in hlo  # each layer a static slice of the stacks
+    runners = [PagedRunner(m, num_pages=12, page_size=4) for m in (scanned, unrolled)]
+    prompts = [[5, 6, 7, 8, 9], [11, 12]]
+    assert greedy_generate(runners[0], prompts, 6) == greedy_generate(runners[1], prompts, 6)
+    for a, b in zip(*(r.caches for r in runners), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_unstacking_gives_back_the_layers():
