@@ -22,6 +22,7 @@ from pathlib import Path
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import InvalidRequestError
+from jaxllm.loading.errors import LoadError
 from jaxllm.sampling_params import SamplingParams
 
 
@@ -30,7 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompts", nargs="*", help="prompts (default: one per line of stdin)")
     m = p.add_argument_group("model and engine")
-    m.add_argument("--model", help="HF folder, GGUF file or jaxllm orbax checkpoint (default: embedded SmolLM2)")
+    m.add_argument("--model", help="HF folder, GGUF file, jaxllm orbax checkpoint, or a Hugging Face hub id org/name "
+                                   "(org/name:Q4_K_M: that GGUF file of the repository); default: embedded SmolLM2")
+    m.add_argument("--revision", help="of a hub id: a branch, tag or commit (default: main)")
+    m.add_argument("--download-dir", help="Hugging Face cache for hub ids (default: huggingface_hub's, HF_HUB_CACHE)")
     m.add_argument("--preset", default="smollm2-cpu", help="engine preset in jaxllm/configs/ or a TOML file "
                    "(default: smollm2-cpu)")
     m.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
@@ -129,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(_engine_config(args, len(prompts) * args.n), warmup=args.warmup)
+    try:
+        engine = LLMEngine(_engine_config(args, len(prompts) * args.n), warmup=args.warmup)
+    except LoadError as e:  # a model that cannot be found, fetched or read: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     tok = engine.tokenizer
     if tok is None:
         print("error: this model has no tokenizer", file=sys.stderr)

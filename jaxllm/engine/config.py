@@ -34,7 +34,9 @@ def read_preset(name_or_path: str) -> tuple[str, str]:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # HF folder, GGUF file, orbax checkpoint; None: the embedded SmolLM2
+    model: str | None = None  # HF folder, GGUF file, orbax checkpoint, hub id (org/name[:QUANT]); None: embedded
+    revision: str | None = None  # of a hub id: a branch, tag or commit (default: main)
+    download_dir: str | None = None  # the Hugging Face cache for hub ids (default: huggingface_hub's, HF_HUB_CACHE)
     served_model_name: str | None = None
     dtype: str = "auto"
     tensor_parallel_size: int = 1  # may span hosts (num_hosts > 1): the mesh holds every host's devices

@@ -270,4 +270,5 @@ class EngineCoreClient:
 def _load_tokenizer(info: dict):
     from jaxllm.loading import load_tokenizer
 
-    return load_tokenizer(info.get("model"))  # None: the embedded model
+    # None: the embedded model; a hub id resolves from this host's Hugging Face cache (fetched if missing)
+    return load_tokenizer(info.get("model"), revision=info.get("revision"), download_dir=info.get("download_dir"))

@@ -97,7 +97,8 @@ class LLMEngine:
         if model is None and loaded is None:
             loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                                 attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
-                                kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization)
+                                kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
+                                revision=config.revision, download_dir=config.download_dir)
         load_s = time.perf_counter() - start
         self.checkpoint_bytes_read = loaded.bytes_read if loaded is not None else 0
         if loaded is not None:

@@ -17,7 +17,6 @@ from jaxllm.config import ModelConfig
 from jaxllm.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
-from jaxllm.loading.embedded import EMBEDDED_NAME, embedded_model_path
 from jaxllm.loading.encoder import is_encoder_folder, load_encoder
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.gguf import gguf_config, gguf_quant_plan, gguf_tensors
@@ -25,6 +24,7 @@ from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.hf import hf_tensors, load_hf_config
 from jaxllm.loading.quantize import QUANTIZATIONS, int8_plan, plan_label
 from jaxllm.loading.qwen_vl import is_vl_folder, load_qwen_vl, vl_eos_token_ids
+from jaxllm.loading.resolve import resolve_model
 from jaxllm.loading.weights import ReadStats, assemble_model
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.multimodal.image_processor import ImageProcessorConfig
@@ -34,7 +34,7 @@ from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 from jaxllm.tokenizer.hf_tokenizer import tokenizer_from_hf_folder
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
-__all__ = ["LoadError", "LoadedModel", "load_model", "load_tokenizer", "weight_bytes"]
+__all__ = ["LoadError", "LoadedModel", "load_model", "load_tokenizer", "resolve_model", "weight_bytes"]
 
 logger = logging.getLogger("jaxllm.loading")
 
@@ -51,19 +51,11 @@ class LoadedModel:
     image_processor: ImageProcessorConfig | None = None  # a vision-language model's preprocessing
 
 
-def _resolve(path: str | Path | None) -> Path:
-    if path is None:
-        return embedded_model_path()
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise LoadError(f"{p}: no such file or folder")
-    return p
-
-
-def load_tokenizer(path: str | Path | None) -> Tokenizer | None:
+def load_tokenizer(path: str | Path | None, *, revision: str | None = None,
+                   download_dir: str | Path | None = None) -> Tokenizer | None:
     """The tokenizer of a GGUF file or HF folder (for an orbax checkpoint: of the folder it was saved beside,
-    if it has tokenizer files)."""
-    p = _resolve(path)
+    if it has tokenizer files); `path` as `resolve_model` takes it (a hub id too)."""
+    p = resolve_model(path, revision=revision, download_dir=download_dir).path
     if p.is_file():
         g = GGUFFile(p)
         return tokenizer_from_gguf(g.metadata, str(p))
@@ -100,12 +92,15 @@ def _check_quantization(quantization: str | None) -> str:
 def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", tensor_parallel_size: int = 1,
                attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
                load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None,
-               quantization: str | None = "auto") -> LoadedModel:
-    """quantization: "auto" (a GGUF file's weights stay in their own quantization, anything else as stored),
-    "gguf" (the same, for GGUF files only), "int8" (per-channel int8 of every linear weight and the embedding,
-    made at load), "none" (float weights of `dtype`)."""
+               quantization: str | None = "auto", revision: str | None = None,
+               download_dir: str | Path | None = None) -> LoadedModel:
+    """path: a folder, a GGUF file, a hub id (`resolve_model`; revision and download_dir are for hub ids), or None
+    for the embedded model. quantization: "auto" (a GGUF file's weights stay in their own quantization, anything
+    else as stored), "gguf" (the same, for GGUF files only), "int8" (per-channel int8 of every linear weight and
+    the embedding, made at load), "none" (float weights of `dtype`)."""
     quantization = _check_quantization(quantization)
-    p = _resolve(path)
+    resolved = resolve_model(path, revision=revision, download_dir=download_dir)
+    p = resolved.path
     dt = resolve_dtype(dtype)
     mesh = mesh or make_mesh(tensor_parallel_size)
     tp = mesh.shape["tp"]
@@ -152,7 +147,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
-    name = EMBEDDED_NAME if path is None else p.stem if p.is_file() else p.name
+    name = resolved.name
     from flax import nnx
     jax.block_until_ready(nnx.state(model, nnx.Param))  # transfers done: their host buffers can be released
     _release_host_memory()
