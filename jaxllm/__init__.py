@@ -1,11 +1,40 @@
-"""jaxllm: LLM inference and serving in pure JAX."""
+"""jaxllm: LLM inference and serving in pure JAX.
 
-from jaxllm.engine.config import EngineConfig
-from jaxllm.llm import LLM
-from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
-from jaxllm.pooling_params import PoolingParams
-from jaxllm.sampling_params import SamplingParams
+The public names load on first use: ``import jaxllm`` (and the ``jaxllm`` command's parsing, and a gunicorn
+master that imports `jaxllm.cli`) does not import JAX."""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "LLM": "jaxllm.llm",
+    "CompletionOutput": "jaxllm.outputs", "PoolingOutput": "jaxllm.outputs",
+    "PoolingRequestOutput": "jaxllm.outputs", "RequestOutput": "jaxllm.outputs",
+    "EngineConfig": "jaxllm.engine.config",
+    "PoolingParams": "jaxllm.pooling_params",
+    "SamplingParams": "jaxllm.sampling_params",
+}
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
            "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from jaxllm.engine.config import EngineConfig
+    from jaxllm.llm import LLM
+    from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+    from jaxllm.pooling_params import PoolingParams
+    from jaxllm.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -31,7 +31,9 @@ class Server:
     the server speaks TLS."""
 
     def __init__(self, env: dict[str, str], log: Path, *, app: str = "server.app:app", engine_env: dict | None = None,
-                 verify: str | None = None):
+                 verify: str | None = None, argv: list[str] | None = None):
+        """argv: the command that starts the server instead of ``gunicorn <app>`` (e.g. ``jaxllm serve``); it
+        listens where JAXLLM_BIND says."""
         self.port = free_port()
         self.verify = verify
         self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
@@ -40,7 +42,7 @@ class Server:
                     "JAXLLM_BIND": f"127.0.0.1:{self.port}",
                     "JAX_PLATFORMS": "cpu"}  # XLA_FLAGS as in the tests: compiled buckets are shared
         started = time.monotonic()
-        self.proc = subprocess.Popen([sys.executable, "-m", "gunicorn", app], cwd=ROOT, env=full_env,
+        self.proc = subprocess.Popen(argv or [sys.executable, "-m", "gunicorn", app], cwd=ROOT, env=full_env,
                                      stdout=log.open("w"), stderr=subprocess.STDOUT)
         self.wait_healthy(400)
         self.startup_s = time.monotonic() - started

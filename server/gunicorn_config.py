@@ -1,0 +1,89 @@
+"""gunicorn settings and hooks for the API server: ``gunicorn server.app:app`` (via ./gunicorn.conf.py) and
+``jaxllm serve`` read them from here, from the environment (JAXLLM_*). Three ways to run (README, "Serve modes"):
+
+- default: one gevent worker holding the engine in its own OS thread (each worker would load its own model and
+  KV cache, so there is one);
+- JAXLLM_API_SERVERS=N (N > 1): N gevent workers (HTTP, JSON, tokenization, detokenized output assembly, SSE)
+  sharing one engine-core process (`python -m server.engine_core`) that this master starts on a private IPC
+  address with a fresh shared secret, and restarts if it dies (workers answer 503 meanwhile, then reconnect);
+- JAXLLM_DATA_PARALLEL_SIZE=D (D > 1): D engine-core processes, each on its share of the devices, that the
+  JAXLLM_API_SERVERS workers (default 1) share, each request sent to a rank by load and prefix affinity;
+- JAXLLM_NUM_HOSTS=H (H > 1, with JAXLLM_COORDINATOR_ADDRESS): the model spans H hosts; this master starts rank
+  0's engine core, and each other host runs `python -m server.engine_core --headless --host-rank R ...`;
+- JAXLLM_ENGINE_ADDRESS (+ JAXLLM_ENGINE_SECRET): N = JAXLLM_API_SERVERS workers (default 1) using engine
+  cores started elsewhere (headless; comma-separated addresses, one per data-parallel rank); this master starts
+  none.
+
+No preload: JAX must not start in the master (it never imports it).
+"""
+
+import os
+
+bind = os.environ.get("JAXLLM_BIND", "0.0.0.0:8000")
+api_servers = int(os.environ.get("JAXLLM_API_SERVERS", "1"))
+if api_servers < 1:
+    raise ValueError(f"JAXLLM_API_SERVERS={api_servers}: at least 1")
+data_parallel_size = int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", "1"))
+if data_parallel_size < 1:
+    raise ValueError(f"JAXLLM_DATA_PARALLEL_SIZE={data_parallel_size}: at least 1")
+num_hosts = int(os.environ.get("JAXLLM_NUM_HOSTS") or 1)
+remote_engine = bool(os.environ.get("JAXLLM_ENGINE_ADDRESS"))
+# This master runs the cores. Multi-host too: the job ends every process when a host fails, so the engine
+# (rank 0) must not live in the API worker, which keeps answering (503) until the core is back.
+engine_process = (api_servers > 1 or data_parallel_size > 1 or num_hosts > 1) and not remote_engine
+if num_hosts > 1 and data_parallel_size > 1:
+    raise ValueError("JAXLLM_NUM_HOSTS > 1 with JAXLLM_DATA_PARALLEL_SIZE > 1 is not supported yet")
+workers = api_servers
+worker_class = "gevent"
+worker_connections = 1000
+# Loading the model and compiling every bucket happens before the worker (or the engine core) serves.
+timeout = int(os.environ.get("JAXLLM_WORKER_TIMEOUT", 600))
+graceful_timeout = int(float(os.environ.get("JAXLLM_DRAIN_TIMEOUT", 30))) + 5
+keepalive = 5
+accesslog = None  # the app logs one line per request with token counts
+loglevel = os.environ.get("JAXLLM_LOG_LEVEL", "info")
+# TLS: gunicorn terminates it itself when both files are given.
+certfile = os.environ.get("JAXLLM_SSL_CERTFILE") or None
+keyfile = os.environ.get("JAXLLM_SSL_KEYFILE") or None
+_core = None
+
+
+def on_starting(server):
+    """Several API workers or data parallelism: start the engine cores before any worker is forked."""
+    global _core
+    if engine_process:
+        from server.core_supervisor import CoreSupervisor
+
+        _core = CoreSupervisor(server.log, data_parallel_size)
+        _core.start()  # sets JAXLLM_ENGINE_ADDRESS / JAXLLM_ENGINE_SECRET, inherited by the workers
+
+
+def on_exit(server):
+    if _core is not None:
+        _core.stop()
+
+
+def post_worker_init(worker):
+    """In-process engine: if it dies (a device error, a bug in a step), this worker exits once in-flight requests
+    got their 503, and gunicorn's arbiter starts a fresh worker: its restart is the recovery mechanism. (With an
+    engine-core process the worker stays up, answers 503 and reconnects when the core is back.)"""
+    import signal
+
+    import server.app as app_module
+    from jaxllm.engine.engine_loop import EngineLoop
+
+    if app_module._app is not None:
+        loop = app_module._app.extensions["jaxllm"].loop
+        if isinstance(loop, EngineLoop):
+            pid = os.getpid()
+            loop.on_death = lambda: os.kill(pid, signal.SIGTERM)
+
+
+def worker_exit(server, worker):
+    """SIGTERM: gunicorn stops accepting and lets in-flight requests finish; then stop the engine (or, with an
+    engine core, this worker's requests in it)."""
+    import server.app as app_module
+
+    if app_module._app is not None:
+        st = app_module._app.extensions["jaxllm"]
+        st.loop.stop(drain_timeout_s=st.settings.drain_timeout_s)
