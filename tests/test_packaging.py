@@ -35,3 +35,10 @@ def test_wheel_installed_outside_the_checkout_runs_the_cli(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "[SmolLM2-135M-Instruct] prompt tokens:" in run.stderr and run.stdout.strip(), run.stderr[-2000:]
+    # the jaxllm command and the server's gunicorn settings come with the wheel
+    run = subprocess.run([str(venv / "bin" / "jaxllm"), "serve", "--help"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert run.returncode == 0 and "--tensor-parallel-size" in run.stdout, run.stderr[-2000:]
+    conf = subprocess.run([py, "-c", "import server.gunicorn_config as c; print(c.__file__, c.worker_class)"],
+                          capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert str(venv) in conf and "gevent" in conf

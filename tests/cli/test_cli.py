@@ -109,3 +109,13 @@ def test_help_is_grouped_as_vllms_and_other_subcommands_are_reachable():
     run = jaxllm("plan", "--preset", "llama-3.1-8b-h100")
     assert run.returncode == 0 and "decode roofline" in run.stdout
     assert jaxllm("generate", "--help").stdout.startswith("usage: python -m jaxllm.generate")
+
+
+def test_readme_lists_every_flag():
+    readme = (ROOT / "README.md").read_text()
+    for flag in FLAGS:
+        name = flag.names[0]
+        shown = f"--[no-]{name[2:]}" if flag.kind is None and flag.env else name
+        assert f"`{shown}" in readme, name
+        if flag.env:
+            assert f"`{flag.env}`" in readme, flag.env
