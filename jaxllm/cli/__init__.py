@@ -1,6 +1,7 @@
 """The ``jaxllm`` command (also ``python -m jaxllm``), with vLLM's subcommands:
 
     jaxllm serve MODEL [flags]      the OpenAI-compatible server (vLLM's flag names; see `jaxllm.cli.serve`)
+    jaxllm chat / complete          talk to a running server, streaming (`jaxllm.cli.chat`)
     jaxllm generate [flags] PROMPT  one-shot generation (`jaxllm.generate`; also the jaxllm-generate script)
     jaxllm plan [flags]             memory and roofline plan of an engine preset on a device (`jaxllm.plan`)
 
@@ -22,7 +23,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "generate": ("jaxllm.generate", "one-shot generation from the command line (--help: its flags)"),
     "plan": ("jaxllm.plan", "memory and decode roofline of an engine preset on a device"),
 }
-OWN = {"serve": "jaxllm.cli.serve"}
+OWN = ["jaxllm.cli.serve", "jaxllm.cli.chat"]  # each adds its subcommands (add_parsers)
 
 
 class Parser(argparse.ArgumentParser):
@@ -42,9 +43,9 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     parser = Parser(prog="jaxllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"jaxllm {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,generate,plan}", parser_class=Parser)
-    for module in OWN.values():
-        importlib.import_module(module).add_parser(sub)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,complete,generate,plan}", parser_class=Parser)
+    for module in OWN:
+        importlib.import_module(module).add_parsers(sub)
     for name, (_, help_text) in DELEGATED.items():
         sub.add_parser(name, help=help_text, add_help=False)
     return parser

@@ -135,7 +135,7 @@ FLAGS = [
 BY_DEST = {f.dest: f for f in FLAGS}
 
 
-def add_parser(sub) -> argparse.ArgumentParser:
+def add_parsers(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over the OpenAI API (vLLM's flags)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_tag", nargs="?", metavar="MODEL", help="as --model (default: the embedded SmolLM2)")
@@ -150,7 +150,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
             g.add_argument(*flag.names, dest=flag.dest, type=flag.kind, choices=flag.choices, default=None,
                            help=flag.help)
     p.set_defaults(run=run)
-    return p
 
 
 def apply_config_file(args: argparse.Namespace) -> None:
