@@ -2,6 +2,7 @@
 
     jaxllm serve MODEL [flags]      the OpenAI-compatible server (vLLM's flag names; see `jaxllm.cli.serve`)
     jaxllm chat / complete          talk to a running server, streaming (`jaxllm.cli.chat`)
+    jaxllm bench serve [flags]      a running server's latency and throughput, as vLLM's (`jaxllm.cli.bench`)
     jaxllm generate [flags] PROMPT  one-shot generation (`jaxllm.generate`; also the jaxllm-generate script)
     jaxllm plan [flags]             memory and roofline plan of an engine preset on a device (`jaxllm.plan`)
 
@@ -23,7 +24,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "generate": ("jaxllm.generate", "one-shot generation from the command line (--help: its flags)"),
     "plan": ("jaxllm.plan", "memory and decode roofline of an engine preset on a device"),
 }
-OWN = ["jaxllm.cli.serve", "jaxllm.cli.chat"]  # each adds its subcommands (add_parsers)
+OWN = ["jaxllm.cli.serve", "jaxllm.cli.chat", "jaxllm.cli.bench"]  # each adds its subcommands (add_parsers)
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,7 +44,8 @@ class Parser(argparse.ArgumentParser):
 def build_parser() -> Parser:
     parser = Parser(prog="jaxllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"jaxllm {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,complete,generate,plan}", parser_class=Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{serve,chat,complete,bench,generate,plan}",
+                                parser_class=Parser)
     for module in OWN:
         importlib.import_module(module).add_parsers(sub)
     for name, (_, help_text) in DELEGATED.items():
@@ -57,6 +59,16 @@ def _version() -> str:
     return __version__
 
 
+def _innermost(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand that was chosen (`jaxllm bench serve`: serve's)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None:
+            return parser
+        parser = subs[0].choices[chosen]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in DELEGATED:
@@ -67,8 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    if extra:  # the subcommand's own error: its usage, and the closest of its flags
-        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # the (innermost) subcommand's own error: its usage, and the closest of its flags
+        _innermost(parser, args).error(f"unrecognized arguments: {' '.join(extra)}")
     run: Callable[[argparse.Namespace], int] = args.run
     return run(args)
