@@ -1,12 +1,12 @@
-"""The serving sweep (benchmarks/serve.py: 16 streaming /v1/completions requests of the peer workload's
-128-token prompts, 128 tokens each, Poisson arrivals at each rate, then all at once) against jaxllm's server
-(`gunicorn server.app:app`, its defaults: the embedded model, the `smollm2-cpu` preset) and llama.cpp's
-`llama-server -t 2 -np 16 -c 5120` (parallel slots, continuous batching) on the F16 GGUF, side by side: one
-server at a time, alternating over rounds, every rate's prompts new to the server (no warm prompt cache).
-Prints the per-rate medians over rounds and the ratios the issue's acceptance names; writes the raw runs.
+"""The serving sweep with `jaxllm bench serve` (vLLM's `bench serve`: random prompts of --input-len tokens by the
+model's tokenizer, --output-len tokens each with ignore_eos, Poisson arrivals at each rate, then all at once)
+against jaxllm's server (`jaxllm serve` with its defaults: the embedded model, the `smollm2-cpu` preset) and
+llama.cpp's `llama-server -t 2 -np 16 -c 5120` (parallel slots, continuous batching) on the F16 GGUF, side by
+side: one server at a time, alternating over rounds, every rate's prompts new to the server (a seed per round and
+rate: no warm prompt cache). Prints the per-rate medians over rounds and jaxllm's ratios; writes the raw results.
 
     python benchmarks/serve_peers.py [--rounds 2] [--sweep 0.5,1,2,inf] [--peer-types F16]
-        [--json benchmarks/results/serve_peers.json] [--plot benchmarks/results/serve_sweep.png]
+        [--json benchmarks/results/serve_peers.json]
 """
 
 from __future__ import annotations
@@ -15,32 +15,45 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import peers
-import serve
 
 ROOT = Path(__file__).resolve().parents[1]
+KEYS = ("output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
+        "p99_tpot_ms", "median_itl_ms", "p99_itl_ms")
 
 
 def jaxllm_server(port: int):
-    """`gunicorn server.app:app` with its defaults (a context manager yielding its URL)."""
-    env = {**os.environ, "JAXLLM_BIND": f"127.0.0.1:{port}", "JAXLLM_LOG_LEVEL": "warning"}
-    return peers.running([sys.executable, "-m", "gunicorn", "server.app:app"], port, timeout=600, cwd=ROOT,
-                         env=env)
+    """`jaxllm serve` with its defaults (a context manager yielding its URL)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAXLLM_")}
+    return peers.running([sys.executable, "-m", "jaxllm", "serve", "--port", str(port), "--host", "127.0.0.1",
+                          "--uvicorn-log-level", "warning"], port, timeout=600, cwd=ROOT, env=env)
 
 
-def sweep(url: str, label: str, rates: list[float], tag: str, num_prompts: int, max_tokens: int) -> list[dict]:
-    args = argparse.Namespace(base_url=url, model=None, api_key=None, num_prompts=num_prompts, max_tokens=max_tokens,
-                              eos_id=2, max_concurrency=None, tag=tag)
-    serve.one_request(url, None, "Hello", 4, None, 2)  # warm the connection and the first step
-    runs = []
-    for rate in rates:
-        runs.append(serve.run(args, rate))
-        serve.print_row(label, runs[-1])
-    return runs
+def bench(url: str, label: str, rate: float, seed: int, args, tokenizer: str) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "jaxllm", "bench", "serve", "--base-url", url, "--tokenizer", tokenizer,
+               "--dataset-name", "random", "--random-input-len", str(args.input_len), "--random-output-len",
+               str(args.output_len), "--num-prompts", str(args.num_prompts), "--request-rate", str(rate),
+               "--seed", str(seed), "--ignore-eos", "--disable-tqdm", "--label", label, "--save-result",
+               "--result-dir", out, "--result-filename", "r.json", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"jaxllm bench serve failed against {label}: {run.stderr[-2000:]}")
+        result = json.loads((Path(out) / "r.json").read_text())
+    for key in ("itls", "generated_texts"):
+        result.pop(key)  # bulky; the summary keeps what the tables use
+    if result["completed"] != args.num_prompts or set(result["output_lens"]) != {args.output_len}:
+        raise RuntimeError(f"{label} at {rate}: {result['completed']} completed, output lengths "
+                           f"{sorted(set(result['output_lens']))}, errors {[e for e in result['errors'] if e][:3]}")
+    print(f"{label:22s} rate {rate:>5} | {result['output_throughput']:7.1f} tok/s | TTFT med "
+          f"{result['median_ttft_ms']:6.0f} p99 {result['p99_ttft_ms']:6.0f} ms | TPOT med "
+          f"{result['median_tpot_ms']:5.1f} ms | ITL p99 {result['p99_itl_ms']:6.1f} ms", flush=True)
+    return result
 
 
 def main() -> None:
@@ -48,51 +61,44 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--sweep", default="0.5,1,2,inf")
     p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--peer-types", default="F16", help="GGUF types llama-server serves (F32,F16,Q8_0,Q4_1)")
     p.add_argument("--json")
-    p.add_argument("--plot")
     args = p.parse_args()
     peer = peers.peer_dir()
     if peer is None:
         raise SystemExit(f"no llama.cpp peers: {peers.BUILD} is missing")
+    tokenizer = peers.gguf(peer, "Q4_1")  # the embedded model's file: both servers' tokenizer
     rates = [float(x) for x in args.sweep.split(",")]
     labels = ["jaxllm"] + [f"llama-server {t}" for t in args.peer_types.split(",")]
     runs: dict[str, list[list[dict]]] = {label: [] for label in labels}
-    stamp = f"{time.time():.0f}"
     for r in range(args.rounds):
         for label in labels:
-            tag = f"{stamp}-{r}"
             port = peers.free_port()
             server = jaxllm_server(port) if label == "jaxllm" else \
                 peers.server(peer, peers.gguf(peer, label.split()[-1]), slots=16, ctx=5120, port=port)
             with server as url:
-                runs[label].append(sweep(url, label, rates, tag, args.num_prompts, args.max_tokens))
-    summary = {}
-    for label, rounds in runs.items():
-        summary[label] = []
-        for i, rate in enumerate(rates):
-            at = [rs[i] for rs in rounds]
-            summary[label].append({"request_rate": rate, "failed": sum(x["failed"] for x in at),
-                                   "output_tok_s": statistics.median(x["output_tok_s"] for x in at),
-                                   "ttft_p99_s": statistics.median(x["ttft_s"]["p99"] for x in at),
-                                   "ttft_median_s": statistics.median(x["ttft_s"]["median"] for x in at),
-                                   "tpot_median_s": statistics.median(x["tpot_s"]["median"] for x in at)})
+                bench(url, label, 1.0, 10_000 + r, argparse.Namespace(**{**vars(args), "num_prompts": 2}),
+                      tokenizer)  # warm-up: first connections and first steps
+                runs[label].append([bench(url, label, rate, 100 * r + i, args, tokenizer)
+                                    for i, rate in enumerate(rates)])
+    summary = {label: [{"request_rate": rate, **{k: statistics.median(rs[i][k] for rs in rounds) for k in KEYS}}
+                       for i, rate in enumerate(rates)] for label, rounds in runs.items()}
     print(f"\nmedians over {args.rounds} rounds")
-    print(f"{'server':18s} {'rate':>5s} {'tok/s':>7s} {'TTFT med':>9s} {'TTFT p99':>9s} {'TPOT med':>9s}")
     for label, rows in summary.items():
         for row in rows:
-            print(f"{label:18s} {row['request_rate']:5} {row['output_tok_s']:7.1f} {row['ttft_median_s'] * 1e3:7.0f}ms"
-                  f" {row['ttft_p99_s'] * 1e3:7.0f}ms {row['tpot_median_s'] * 1e3:7.1f}ms  failed {row['failed']}")
-    ours = summary["jaxllm"]
+            print(f"{label:22s} {row['request_rate']:5} {row['output_throughput']:7.1f} tok/s  TTFT "
+                  f"{row['median_ttft_ms']:6.0f} / {row['p99_ttft_ms']:6.0f} ms  TPOT {row['median_tpot_ms']:5.1f} ms")
     for label in labels[1:]:
-        for a, b in zip(ours, summary[label], strict=True):
-            print(f"jaxllm / {label} at {a['request_rate']}: tok/s {a['output_tok_s'] / b['output_tok_s']:.2f}x, "
-                  f"p99 TTFT {a['ttft_p99_s'] / b['ttft_p99_s']:.2f}x")
+        for a, b in zip(summary["jaxllm"], summary[label], strict=True):
+            tput = a["output_throughput"] / b["output_throughput"]
+            ttft, tpot = a["p99_ttft_ms"] / b["p99_ttft_ms"], a["median_tpot_ms"] / b["median_tpot_ms"]
+            print(f"jaxllm / {label} at {a['request_rate']}: tok/s {tput:.2f}x, p99 TTFT {ttft:.2f}x, "
+                  f"median TPOT {tpot:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "summary": summary, "runs": runs}, indent=1))
-    if args.plot:
-        serve.plot({label: rounds[-1] for label, rounds in runs.items()}, args.plot)
+        Path(args.json).write_text(json.dumps({"rates": rates, "args": vars(args), "summary": summary,
+                                               "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

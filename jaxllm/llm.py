@@ -1,5 +1,6 @@
-"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(...)``, and for a
-model that embeds (``pooling=...``, or a sentence-transformers folder) ``.embed(prompts)``."""
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, sampling_params)``, ``.chat(...)``,
+``.beam_search(...)``; for a model that pools (``runner="pooling"``, ``pooling=...``, a sentence-transformers folder,
+an encoder) ``.embed``, ``.encode``, ``.classify``, ``.score`` and ``.rerank``."""
 
 from __future__ import annotations
 
@@ -10,29 +11,53 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxllm import scoring
+from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.multimodal.chat import chat_images
 from jaxllm.multimodal.image_input import ImagePolicy
-from jaxllm.outputs import PoolingRequestOutput, RequestOutput, RerankResult, ScoringOutput, ScoringRequestOutput
-from jaxllm.pooling_params import PoolingParams
+from jaxllm.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    RerankResult,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxllm.pooling_params import CLASSIFY, EMBED, PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
-# text, or {"prompt_token_ids": [...]} / {"prompt": "..."}, optionally "cache_salt", and for a vision-language model
-# "multi_modal_data": {"image": PIL.Image or [PIL.Image, ...]} (one image placeholder per image in the prompt)
+# text, or {"prompt_token_ids": [...]} / {"prompt": "..."} (jaxllm.inputs: TokensPrompt / TextPrompt), optionally
+# "cache_salt", and for a vision-language model "multi_modal_data": {"image": PIL.Image or [PIL.Image, ...]} (one image
+# placeholder per image in the prompt)
 Prompt = str | dict[str, Any]
+# vLLM's older task names -> the runner that serves them
+TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "classify": "pooling", "score": "pooling",
+                "reward": "pooling"}
 
 
 class LLM:
     """``LLM()`` serves the embedded SmolLM2; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint;
     ``LLM(model=module, tokenizer=tok)`` a model object built or edited in a notebook. Other keywords are
-    `EngineConfig` fields (``max_num_seqs=...``); ``preset="smollm2-cpu"`` starts from a preset in jaxllm/configs/.
-    image_policy: which image URLs `chat` loads (default: data: URLs only)."""
+    `EngineConfig` fields (``max_num_seqs=...``, ``runner="pooling"``); ``preset="smollm2-cpu"`` starts from a preset
+    in jaxllm/configs/. image_policy: which image URLs `chat` loads (default: data: URLs only).
+
+    vLLM's keywords that have nothing to configure here are accepted: ``task`` (its older name for the runner),
+    ``enforce_eager`` (buckets are always compiled, once, and cached), ``trust_remote_code`` (no model code is ever
+    loaded from a checkpoint), ``disable_log_stats``."""
 
     def __init__(self, model: str | LlamaForCausalLM | None = None, *, tokenizer: Tokenizer | None = None,
-                 preset: str | None = None, image_policy: ImagePolicy | None = None, **engine_options: Any):
+                 preset: str | None = None, image_policy: ImagePolicy | None = None, task: str | None = None,
+                 enforce_eager: bool = False, trust_remote_code: bool = False, disable_log_stats: bool = True,
+                 **engine_options: Any):
+        if task is not None:
+            if task not in TASK_RUNNERS:
+                raise ValueError(f"task must be one of {', '.join(TASK_RUNNERS)}, got {task!r}")
+            if engine_options.setdefault("runner", TASK_RUNNERS[task]) != TASK_RUNNERS[task]:
+                raise ValueError(f"task={task!r} contradicts runner={engine_options['runner']!r}")
         self.image_policy = image_policy or ImagePolicy()
         path = model if isinstance(model, str) or model is None else None
         if preset:
@@ -54,10 +79,34 @@ class LLM:
         return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm)
 
     def embed(self, prompts: Prompt | SequenceABC[Prompt],
-              pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
-              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
-        """One pooled vector per prompt (``out.outputs.data``), batched and chunked like generation."""
-        return self._submit(prompts, pooling_params or PoolingParams(), PoolingParams, use_tqdm)
+              pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
+              use_tqdm: bool = True) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (``out.outputs.embedding``, a list of floats; ``.data``: as an array), batched
+        and chunked like generation."""
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task=EMBED)
+        return [EmbeddingRequestOutput.from_pooling(o) for o in outs]
+
+    def encode(self, prompts: Prompt | SequenceABC[Prompt],
+               pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
+               use_tqdm: bool = True, pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """The pooled output per prompt as an array (``out.outputs.data``): an embedding, or with
+        ``pooling_task="classify"`` class probabilities. Params given keep their own task."""
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=pooling_task or EMBED)
+        return self._submit(prompts, pooling_params, PoolingParams, use_tqdm)
+
+    def classify(self, prompts: Prompt | SequenceABC[Prompt], *, use_tqdm: bool = True,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Class probabilities per prompt (``out.outputs.probs``) from a classifier (a sequence-classification
+        head, or a causal model's classifier tokens)."""
+        params = PoolingParams(task=CLASSIFY, truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_pooling(o) for o in self._submit(prompts, params, PoolingParams,
+                                                                                   use_tqdm)]
+
+    def beam_search(self, prompts: Prompt | SequenceABC[Prompt], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """The `params.beam_width` best continuations of each prompt (`jaxllm.beam_search`)."""
+        return beam_search(self, [prompts] if isinstance(prompts, str | dict) else list(prompts), params, use_tqdm)
 
     def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], *,
               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True) -> list[ScoringRequestOutput]:

@@ -1,5 +1,6 @@
-"""What generation returns, shaped like vLLM's `RequestOutput` / `CompletionOutput`, and what pooling returns
-(`PoolingRequestOutput`)."""
+"""What the offline calls return, shaped as vLLM's: generation's `RequestOutput` / `CompletionOutput`; `LLM.encode`'s
+`PoolingRequestOutput` (a vector as an array), `LLM.embed`'s `EmbeddingRequestOutput` (a list of floats),
+`LLM.classify`'s `ClassificationRequestOutput` (class probabilities) and `LLM.score`'s `ScoringRequestOutput`."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import numpy as np
 
 @dataclasses.dataclass
 class Logprob:
+    """vLLM's: a token's log probability, its rank in the distribution (1: the likeliest; a sampled token can rank
+    anywhere) and its text."""
+
     logprob: float
-    decoded_token: str
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 @dataclasses.dataclass
@@ -59,6 +64,63 @@ class PoolingRequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def data(self) -> np.ndarray:
+        """The vector as `PoolingOutput.data` holds it (float32 array)."""
+        return np.asarray(self.embedding, np.float32)
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput:
+    """vLLM's: what `LLM.embed` returns (`outputs.embedding`, a list of floats)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_pooling(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()),
+                   out.finished, out.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # one per class: softmax over several, the sigmoid of a single logit
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput:
+    """vLLM's: what `LLM.classify` returns."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+    @classmethod
+    def from_pooling(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, ClassificationOutput(out.outputs.data.tolist()),
+                   out.finished, out.num_cached_tokens)
 
 
 @dataclasses.dataclass

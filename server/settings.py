@@ -51,7 +51,7 @@ _ENGINE_ENV = {
     "max_waiting_requests": int,
     "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
-    "pooling": str, "normalize_embeddings": _flag, "score_template": str,
+    "runner": str, "pooling": str, "normalize_embeddings": _flag, "score_template": str,
     "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
     "async_scheduling": _flag, "enable_prefix_caching": _flag, "seed": int, "page_size": int,
     "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,

@@ -84,6 +84,8 @@ FLAGS = [
     Flag(("--quantization", "-q"), "JAXLLM_QUANTIZATION", "model", "auto (a GGUF file's own), int8, none"),
     Flag(("--max-model-len",), "JAXLLM_MAX_MODEL_LEN", "model", "most tokens of a sequence (prompt + output)", int),
     Flag(("--seed",), "JAXLLM_SEED", "model", "the engine's random seed", int),
+    Flag(("--runner",), "JAXLLM_RUNNER", "model", "pooling: a causal model embeds too (last-token pooling); "
+         "generate: refuse a model that cannot generate", choices=("auto", "generate", "pooling")),
     Flag(("--preset",), "JAXLLM_PRESET", "model", "jaxllm engine preset (jaxllm/configs/) or TOML file the flags "
          "override (default: smollm2-cpu)"),
     Flag(("--kv-cache-dtype",), "JAXLLM_KV_CACHE_DTYPE", "engine", "auto (the model's), bfloat16, float16, "

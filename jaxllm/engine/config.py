@@ -15,6 +15,8 @@ from jaxllm.dtypes import KV_CACHE_DTYPES
 from jaxllm.loading.quantize import QUANTIZATIONS
 from jaxllm.pooling_params import POOLING_METHODS
 
+RUNNERS = ("auto", "generate", "pooling")
+
 
 def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in resources.files("jaxllm.configs").iterdir()
@@ -65,6 +67,9 @@ class EngineConfig:
     # Decode steps run one ahead: the next step is dispatched before this one's tokens are read back, so the host's
     # per-step work (outputs, stop checks, the next step's inputs) overlaps the device's (see LLMEngine.step).
     async_scheduling: bool = True
+    # vLLM's runner: "pooling" makes a causal model embed (last-token pooling unless `pooling` or its folder says
+    # otherwise) as well as generate; "generate" refuses a model that cannot; "auto": what the model does.
+    runner: str = "auto"
     # Embeddings: how hidden states are pooled (last, mean, cls); None: as a sentence-transformers folder says
     # (modules.json), else the model does not embed. normalize_embeddings: the default of a request's `normalize`.
     pooling: str | None = None
@@ -110,6 +115,7 @@ class EngineConfig:
              "the largest token bucket must hold max_num_batched_tokens"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
+            (self.runner in RUNNERS, f"runner must be one of {', '.join(RUNNERS)}"),
             (self.pooling in (None, *POOLING_METHODS), f"pooling must be one of {', '.join(POOLING_METHODS)}"),
             (self.classifier_tokens is None or len(self.classifier_tokens) >= 1, "classifier_tokens must not be empty"),
             (self.limit_mm_per_prompt >= 0, "limit_mm_per_prompt must be >= 0"),

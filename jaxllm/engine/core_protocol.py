@@ -91,7 +91,7 @@ class OutputDeltas:
             sent = self._sent.setdefault(c.index, _Sent())
             keep = len(sent.text) if c.text.startswith(sent.text) else len(os.path.commonprefix([sent.text, c.text]))
             logprobs = None if c.logprobs is None else \
-                [[[tid, lp.logprob, lp.decoded_token] for tid, lp in entry.items()]
+                [[[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in entry.items()]
                  for entry in c.logprobs[sent.logprobs:]]
             choices.append([c.index, keep, c.text[keep:], c.token_ids[sent.tokens:], logprobs, c.cumulative_logprob,
                             c.finish_reason, c.stop_reason])
@@ -122,7 +122,7 @@ class OutputAssembler:
             old = self._choices.get(index)
             old_logprobs = None if old is None else old.logprobs
             new_logprobs = None if logprobs is None else (old_logprobs or []) + [
-                {int(tid): Logprob(float(lp), str(tok)) for tid, lp, tok in entry} for entry in logprobs]
+                {int(tid): Logprob(float(lp), rank, str(tok)) for tid, lp, rank, tok in entry} for entry in logprobs]
             self._choices[index] = CompletionOutput(
                 index=index, text=("" if old is None else old.text[:keep]) + text,
                 token_ids=([] if old is None else old.token_ids) + list(ids), cumulative_logprob=cumulative,

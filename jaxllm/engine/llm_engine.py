@@ -119,6 +119,10 @@ class LLMEngine:
             (loaded.pooling if loaded is not None else None)
         if self.pooling is None and not self.causal and not classifies:
             self.pooling = Pooling("cls", True)
+        if self.pooling is None and config.runner == "pooling" and not classifies:
+            self.pooling = Pooling("last", config.normalize_embeddings)  # vLLM's default for a causal model
+        if config.runner == "generate" and not self.causal:
+            raise ConfigError(f"runner='generate': {name} is an encoder, it cannot generate (runner='pooling')")
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
         if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
@@ -386,10 +390,10 @@ class LLMEngine:
         if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
             logprob = float(result.logprobs[i])
             seq.cumulative_logprob += logprob
-            entry = {token: Logprob(logprob, self._token_text(token))}
-            for tid, lp in zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
-                               strict=True):
-                entry.setdefault(int(tid), Logprob(float(lp), self._token_text(int(tid))))
+            entry = {token: Logprob(logprob, int(result.ranks[i]), self._token_text(token))}
+            for rank, (tid, lp) in enumerate(zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
+                                                 strict=True), 1):
+                entry.setdefault(int(tid), Logprob(float(lp), rank, self._token_text(int(tid))))
             seq.logprobs.append(entry)
         stop_str = seq.detokenizer.add_token(token)
         done = seq.num_output_tokens >= p.min_tokens

@@ -52,13 +52,14 @@ def _step(graphdef, state_def, generates, pools, params, caches, ids, positions,
     s = logit_rows.shape[0]
     if generates:
         logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
-        tokens, logprobs, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
+        tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
         bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-        # [S, 2 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of four
-        packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], top_ids, bits(top_logprobs)], axis=1)
+        # [S, 3 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of five
+        packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
+                                  bits(top_logprobs)], axis=1)
     else:  # a model that only pools
         tokens = jnp.zeros((s,), jnp.int32)
-        packed = jnp.zeros((s, 2 + 2 * MAX_LOGPROBS), jnp.int32)
+        packed = jnp.zeros((s, 3 + 2 * MAX_LOGPROBS), jnp.int32)
     # [T]: row i's token at position i, the ids of a decode step that follows this one with the same sequences
     # (a step dispatched before this one's tokens are read back: see LLMEngine.step)
     t = ids.shape[0]
@@ -84,11 +85,11 @@ def _pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
     return jnp.stack([first, last, total], axis=1)
 
 
-def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A step's packed output -> (tokens [S], logprobs [S], top ids [S, k], top logprobs [S, k])."""
-    k = (packed.shape[1] - 2) // 2
+def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's packed output -> (tokens [S], logprobs [S], ranks [S], top ids [S, k], top logprobs [S, k])."""
+    k = (packed.shape[1] - 3) // 2
     floats = packed.view(np.float32)
-    return packed[:, 0], floats[:, 1], packed[:, 2:2 + k], floats[:, 2 + k:]
+    return packed[:, 0], floats[:, 1], packed[:, 2], packed[:, 3:3 + k], floats[:, 3 + k:]
 
 
 @dataclasses.dataclass
@@ -130,6 +131,7 @@ class StepResult:
     seqs: list[Sequence]  # sequences that received a token, in order
     tokens: np.ndarray  # [n]
     logprobs: np.ndarray  # [n]
+    ranks: np.ndarray  # [n] i32: the sampled token's rank (1: the likeliest)
     top_ids: np.ndarray  # [n, 20]
     top_logprobs: np.ndarray  # [n, 20]
     # Steps with pooling requests: ([len(step.seqs), 3, E] first, last, summed hidden state; [len(step.seqs), labels])
@@ -397,7 +399,7 @@ class ModelRunner:
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step and reads back what the host needs of it."""
         out, pooled, classified, _ = pending.outputs
-        tokens, logprobs, top_ids, top_logprobs = unpack(np.asarray(out))
+        tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out))
         seqs = pending.step.seqs
         if any(q.pooled is not None for q in seqs):
             pooled = (np.asarray(pooled)[:len(seqs)], np.asarray(classified)[:len(seqs)])
@@ -406,7 +408,7 @@ class ModelRunner:
         if self._watchdog is not None:
             self._watchdog.finished()
         n = len(pending.rows)
-        return StepResult(pending.rows, tokens[:n], logprobs[:n], top_ids[:n], top_logprobs[:n], pooled)
+        return StepResult(pending.rows, tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled)
 
     def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False) -> list[jax.Array]:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the

@@ -131,16 +131,20 @@ def _draw(scaled, t: SamplingTensors, argmax):
 def _logprobs(logits, tokens):
     raw = jax.nn.log_softmax(logits, axis=-1)
     top_logprobs, top_ids = jax.lax.top_k(raw, min(MAX_LOGPROBS, logits.shape[-1]))
-    return jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top_logprobs
+    chosen = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)  # vLLM's: 1 + tokens more likely
+    return chosen, rank, top_ids.astype(jnp.int32), top_logprobs
 
 
 def _no_logprobs(logits, tokens):
     s, k = logits.shape[0], min(MAX_LOGPROBS, logits.shape[-1])
-    return jnp.zeros((s,), jnp.float32), jnp.zeros((s, k), jnp.int32), jnp.zeros((s, k), jnp.float32)
+    return (jnp.zeros((s,), jnp.float32), jnp.zeros((s,), jnp.int32), jnp.zeros((s, k), jnp.int32),
+            jnp.zeros((s, k), jnp.float32))
 
 
 def sample(logits: jax.Array, t: SamplingTensors, platform: str = "cpu"):
-    """logits [S, V] f32 -> (tokens [S], their logprobs [S], top ids [S, 20], top logprobs [S, 20]).
+    """logits [S, V] f32 -> (tokens [S], their logprobs [S], their ranks [S] i32 (1: the likeliest), top ids
+    [S, 20], top logprobs [S, 20]).
     Logprobs are zeros unless some row asked for them; the random draw and the filters run only when some
     row samples, penalties only when some row has them (so a greedy batch pays for one argmax). platform: the
     one the step is built for (`argmax_for`)."""

@@ -14,7 +14,8 @@ def _out(text, ids, logprobs, finished=False, reason=None):
 
 
 def test_deltas_rebuild_every_cumulative_output():
-    lp = [{5: Logprob(-0.1, "a"), 7: Logprob(-2.0, "b")}, {6: Logprob(-0.2, "c")}, {9: Logprob(-1.5, "\ufffd")}]
+    lp = [{5: Logprob(-0.1, 1, "a"), 7: Logprob(-2.0, 2, "b")}, {6: Logprob(-0.2, 1, "c")},
+          {9: Logprob(-1.5, 7, "\ufffd")}]
     outputs = [_out("he", [5], lp[:1]), _out("hello", [5, 6], lp[:2]),
                _out("help", [5, 6, 9], lp[:3]),  # not a prefix extension: the text was rewritten
                _out("help", [5, 6, 9], lp[:3], finished=True, reason="stop")]

@@ -93,10 +93,13 @@ def test_penalties_follow_openai_and_vllm_definitions():
 
 def test_greedy_bias_and_logprobs():
     logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]], jnp.float32)
-    tokens, lp, top_ids, top_lp = sample(logits, tensors(1, temperature=0.0))
-    assert int(tokens[0]) == 1
+    tokens, lp, rank, top_ids, top_lp = sample(logits, tensors(1, temperature=0.0))
+    assert int(tokens[0]) == 1 and int(rank[0]) == 1
     np.testing.assert_allclose(float(lp[0]), float(jax.nn.log_softmax(logits)[0, 1]), rtol=1e-6)
     assert top_ids[0, :4].tolist() == [1, 3, 2, 0]
+    # a sampled token's rank is 1 + the number of likelier tokens, wherever it falls
+    forced = sample(logits, tensors(1, temperature=0.0, bias={0: 10.0}))
+    assert int(forced[0][0]) == 0 and int(forced[2][0]) == 4  # the bias picks it; the raw logits rank it last
     biased = sample(logits, tensors(1, temperature=0.0, bias={1: -100.0, 2: 5.0}))[0]
     assert int(biased[0]) == 2
     banned = sample(logits, tensors(1, temperature=1.0, bias={1: -jnp.inf, 3: -jnp.inf}, steps=[0]))[0]
@@ -111,9 +114,10 @@ def test_a_greedy_only_step_takes_the_argmax_branch(platform):
     logits = jnp.asarray(rng.normal(0, 1, (6, 3000)), jnp.float32).at[2, 7].set(9.0).at[2, 11].set(9.0)
     plain = dataclasses.replace(tensors(6, temperature=0.0), any_logprobs=jnp.bool_(False))
     assert bool(plain.only_greedy)
-    tokens, lp, top_ids, top_lp = sample(logits, plain, platform)
+    tokens, lp, rank, top_ids, top_lp = sample(logits, plain, platform)
     assert tokens.tolist() == np.argmax(np.asarray(logits), axis=1).tolist() and int(tokens[2]) == 7
     assert not np.any(np.asarray(lp)) and not np.any(np.asarray(top_ids)) and not np.any(np.asarray(top_lp))
+    assert not np.any(np.asarray(rank))
     assert sample(logits, tensors(6, temperature=0.0), platform)[0].tolist() == tokens.tolist()  # full path
     for flag in ("any_logprobs", "any_random", "any_bias", "any_penalty", "any_mask"):
         assert not bool(dataclasses.replace(plain, **{flag: jnp.bool_(True)}).only_greedy), flag
@@ -165,7 +169,7 @@ def test_a_token_mask_is_applied_before_sampling_and_logprobs(temperature):
     logits = jnp.asarray(rng.normal(size=(3, vocab)), jnp.float32)
     allowed = [[3, 40], [69], list(range(vocab))]  # the last row is unconstrained (all ones)
     t = tensors(3, temperature=temperature, mask=_bitmask(allowed, vocab))
-    tokens, logprobs, top_ids, top_lps = sample(logits, t)
+    tokens, logprobs, _, top_ids, top_lps = sample(logits, t)
     assert int(tokens[0]) in (3, 40) and int(tokens[1]) == 69
     assert float(logprobs[1]) == pytest.approx(0.0, abs=1e-6)  # the only allowed token: probability 1
     row0 = dict(zip(np.asarray(top_ids[0]).tolist(), np.asarray(top_lps[0]).tolist(), strict=True))
