@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import machine
 import peers
 import workload
 
@@ -115,7 +116,8 @@ def main() -> None:
                 print(f"round {r}: transformers {t}", flush=True)
     summary = {k: {m: statistics.median(x[m] for x in rs) for m in ("batch_tok_s", "single_tok_s")}
                for k, rs in runs.items()}
-    print(f"\nmedians over {args.rounds} rounds; jaxllm weights: {runs[label][0]['weights']}")
+    host = machine.describe()
+    print(f"\nmedians over {args.rounds} rounds; jaxllm weights: {runs[label][0]['weights']}\n{machine.line(host)}")
     print(f"{'engine':22s} {'batch 32 tok/s':>15s} {'single tok/s':>13s}")
     for k, m in summary.items():
         print(f"{k:22s} {m['batch_tok_s']:15.1f} {m['single_tok_s']:13.1f}")
@@ -132,8 +134,8 @@ def main() -> None:
     for k, v in ratios.items():
         print(f"jaxllm {k}: {v:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "summary": summary, "ratios": ratios,
-                                               "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": host, "rounds": args.rounds, "summary": summary,
+                                               "ratios": ratios, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import machine
 import peers
 import workload
 
@@ -81,6 +82,8 @@ def main() -> None:
         summary[key] = {k: statistics.median(r[k] for r in rs) for k in ("single_tok_s", "batch_tok_s")}
         if "weight_bytes" in rs[0]:
             summary[key].update(weight_bytes=rs[0]["weight_bytes"], file_tensor_bytes=rs[0]["file_tensor_bytes"])
+    host = machine.describe()
+    print(machine.line(host))
     print(f"{'engine':28s} {'single tok/s':>13s} {'batch 32 tok/s':>15s} {'weights MB':>11s}")
     for key, s in summary.items():
         mb = f"{s['weight_bytes'] / 1e6:11.1f}" if "weight_bytes" in s else f"{'':11s}"
@@ -91,7 +94,8 @@ def main() -> None:
               f"{ours['batch_tok_s'] / peer['batch_tok_s']:.2f}x; weights / file tensors "
               f"{ours['weight_bytes'] / ours['file_tensor_bytes']:.3f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rounds": args.rounds, "summary": summary, "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": host, "rounds": args.rounds, "summary": summary,
+                                               "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

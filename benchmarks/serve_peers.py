@@ -20,6 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import machine
 import peers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,7 +86,8 @@ def main() -> None:
                                     for i, rate in enumerate(rates)])
     summary = {label: [{"request_rate": rate, **{k: statistics.median(rs[i][k] for rs in rounds) for k in KEYS}}
                        for i, rate in enumerate(rates)] for label, rounds in runs.items()}
-    print(f"\nmedians over {args.rounds} rounds")
+    host = machine.describe()
+    print(f"\nmedians over {args.rounds} rounds; {machine.line(host)}")
     for label, rows in summary.items():
         for row in rows:
             print(f"{label:22s} {row['request_rate']:5} {row['output_throughput']:7.1f} tok/s  TTFT "
@@ -97,8 +99,8 @@ def main() -> None:
             print(f"jaxllm / {label} at {a['request_rate']}: tok/s {tput:.2f}x, p99 TTFT {ttft:.2f}x, "
                   f"median TPOT {tpot:.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rates": rates, "args": vars(args), "summary": summary,
-                                               "runs": runs}, indent=1))
+        Path(args.json).write_text(json.dumps({"machine": host, "rates": rates, "args": vars(args),
+                                               "summary": summary, "runs": runs}, indent=1))
 
 
 if __name__ == "__main__":

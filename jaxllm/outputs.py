@@ -45,6 +45,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when handling this request failed (the other requests went on); the request is then finished.
     error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, {token_id: Logprob} (the token and the top alternatives at
+    # its position); the first is None (nothing precedes it). Complete once the prompt has been prefilled.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclasses.dataclass

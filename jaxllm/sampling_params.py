@@ -159,6 +159,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per token (0: only the sampled token's)
+    prompt_logprobs: int | None = None  # the same for each prompt token (RequestOutput.prompt_logprobs)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # or a dict of its fields
@@ -185,6 +186,8 @@ class SamplingParams:
             _fail("min_tokens", f"must not exceed max_tokens ({self.max_tokens})", self.min_tokens)
         if self.logprobs is not None:
             put(self, "logprobs", check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS))
+        if self.prompt_logprobs is not None:
+            put(self, "prompt_logprobs", check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS))
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, "must be true or false", getattr(self, name))

@@ -126,6 +126,37 @@ def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: 
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
+def _echoed_logprobs(out: RequestOutput, n: int) -> dict:
+    """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (the first: None) and top
+    alternatives, text offsets from 0."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    pos = 0
+    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+        if entry is None:  # the first token: nothing before it to be scored against
+            text, lp, top = state().engine.tokenizer.decode([token_id], skip_special_tokens=False), None, None
+        else:
+            text, lp = entry[token_id].decoded_token, entry[token_id].logprob
+            top = {e.decoded_token: e.logprob for e in sorted(entry.values(), key=lambda e: -e.logprob)[:n]}
+        tokens.append(text)
+        token_lps.append(lp)
+        tops.append(top)
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _joined(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list | None:
+    """vLLM's `prompt_logprobs` field: None, then per prompt token {token id: {logprob, rank, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in out.prompt_logprobs]
+
+
 @bp.post("/v1/completions")
 def completions():
     req = parse(CompletionRequest)
@@ -148,9 +179,18 @@ def completions():
         for i, out in enumerate(outs):
             for c in out.outputs:
                 text = (prompt_text(out) if req.echo else "") + c.text
-                lp = _completion_logprobs(c, req.logprobs, 0, tok, 0) if req.logprobs is not None else None
-                choices.append({"index": choice_index(i, c), "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                lp = None
+                if req.logprobs is not None and req.echo:
+                    echoed = _echoed_logprobs(out, req.logprobs)
+                    offset = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
+                    lp = _joined(echoed, _completion_logprobs(c, req.logprobs, 0, tok, offset))
+                elif req.logprobs is not None:
+                    lp = _completion_logprobs(c, req.logprobs, 0, tok, 0)
+                choice = {"index": choice_index(i, c), "text": text, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = prompt_logprobs_json(out)
+                choices.append(choice)
         log_request(gen)
         return jsonify({"id": cid, "object": "text_completion", "created": created, "model": model,
                         "choices": sorted(choices, key=lambda c: c["index"]), "usage": gen.usage})
@@ -160,6 +200,7 @@ def completions():
     def events():
         sent_text: dict[tuple[str, int], int] = {}
         sent_tokens: dict[tuple[str, int], int] = {}
+        echo_end: dict[tuple[str, int], int] = {}
         finished: set[tuple[str, int]] = set()
         for out in gen.updates():
             i = gen.ids.index(out.request_id)
@@ -176,7 +217,12 @@ def completions():
                     continue
                 lp = None
                 if req.logprobs is not None:
-                    lp = _completion_logprobs(c, req.logprobs, new_tokens, tok, sent_text.get(key, 0))
+                    echoed = _echoed_logprobs(out, req.logprobs) if first and req.echo else None
+                    if echoed is not None:  # offsets of the generated text count from the end of the echoed prompt
+                        echo_end[key] = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
+                    lp = _completion_logprobs(c, req.logprobs, new_tokens, tok,
+                                              echo_end.get(key, 0) + sent_text.get(key, 0))
+                    lp = _joined(echoed, lp) if echoed is not None else lp
                 sent_text[key] = len(c.text)
                 sent_tokens[key] = len(c.token_ids)
                 if c.finished():
@@ -249,8 +295,11 @@ def chat_completions():
                             "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         log_request(gen)
-        return jsonify({"id": cid, "object": "chat.completion", "created": created, "model": model,
-                        "choices": choices, "usage": gen.usage})
+        body = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
+                "usage": gen.usage}
+        if req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(out)
+        return jsonify(body)
 
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -108,12 +108,21 @@ class _Sampling(_Model):
         default=None, description="Requests with different salts never share prefix-cache pages (one per tenant).")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
+        default=None, description="vLLM's: each prompt token's logprob and the k likeliest at its position "
+                                  "(returned as prompt_logprobs; not with stream)")
 
     @model_validator(mode="after")
     def _check(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not supported when stream is true")
         return self
+
+    def scored_prompt(self) -> int | None:
+        """How many alternatives per prompt token to score (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -145,7 +154,7 @@ class _Sampling(_Model):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stops(),
             stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.constraint())
+            structured_outputs=self.constraint(), prompt_logprobs=self.scored_prompt())
 
 
 class CompletionRequest(_Sampling):
@@ -178,9 +187,13 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix: not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: only best_of == n is supported")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo: echo together with logprobs is not supported")
         return self
+
+    def scored_prompt(self) -> int | None:
+        """echo with logprobs scores the prompt too (OpenAI's legacy completions; what evaluation harnesses ask)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

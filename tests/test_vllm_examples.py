@@ -80,6 +80,12 @@ def test_logprobs(llm):
     out = llm.generate(["The capital of France is"], forced, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == [fifth] and out.logprobs[0][fifth].rank == 5
     assert sorted(lp.rank for lp in out.logprobs[0].values()) == [1, 2, 5]
+    # prompt logprobs: None for the first token, then each prompt token's own entry
+    prompt = llm.generate("The capital of France is", SamplingParams(max_tokens=1, prompt_logprobs=2),
+                          use_tqdm=False)[0]
+    assert prompt.prompt_logprobs[0] is None and len(prompt.prompt_logprobs) == len(prompt.prompt_token_ids)
+    for token, entry in zip(prompt.prompt_token_ids[1:], prompt.prompt_logprobs[1:], strict=True):
+        assert token in entry and {lp.rank for lp in entry.values()} >= {1, 2} and entry[token].logprob <= 0
 
 
 def test_structured_outputs(llm):

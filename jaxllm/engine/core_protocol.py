@@ -81,6 +81,7 @@ class OutputDeltas:
 
     def __init__(self):
         self._sent: dict[int, _Sent] = {}
+        self._prompt_logprobs_sent = False
 
     def delta(self, out: RequestOutput | PoolingRequestOutput) -> list:
         if isinstance(out, PoolingRequestOutput):  # sent once, finished: its vector as float32 bytes
@@ -97,7 +98,12 @@ class OutputDeltas:
                             c.finish_reason, c.stop_reason])
             sent.text, sent.tokens = c.text, len(c.token_ids)
             sent.logprobs = 0 if c.logprobs is None else len(c.logprobs)
-        return [out.finished, out.num_cached_tokens, out.error, choices]
+        prompt = None  # sent once, with the first output (the prompt is prefilled by then)
+        if out.prompt_logprobs is not None and not self._prompt_logprobs_sent:
+            prompt = [None if e is None else [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in e.items()]
+                      for e in out.prompt_logprobs]
+            self._prompt_logprobs_sent = True
+        return [out.finished, out.num_cached_tokens, out.error, choices, prompt]
 
 
 class OutputAssembler:
@@ -108,16 +114,20 @@ class OutputAssembler:
                  on_output: Callable[[RequestOutput | Exception], None]):
         self.request_id, self.prompt, self.prompt_ids, self.on_output = request_id, prompt, prompt_ids, on_output
         self._choices: dict[int, CompletionOutput] = {}
+        self._prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def apply(self, delta: list) -> RequestOutput | PoolingRequestOutput:
-        if len(delta) == 5:  # a pooling request's
+        if delta[3] is None:  # a pooling request's
             finished, num_cached, error, _, data = delta
             pooled = None if data is None else PoolingOutput(np.frombuffer(data, np.float32).copy())
             out = PoolingRequestOutput(self.request_id, self.prompt, self.prompt_ids, pooled, bool(finished),
                                        error=error, num_cached_tokens=int(num_cached))
             self.on_output(out)
             return out
-        finished, num_cached, error, choices = delta
+        finished, num_cached, error, choices, prompt = delta
+        if prompt is not None:
+            self._prompt_logprobs = [None if e is None else {int(tid): Logprob(float(lp), rank, str(tok))
+                                                             for tid, lp, rank, tok in e} for e in prompt]
         for index, keep, text, ids, logprobs, cumulative, finish_reason, stop_reason in choices:
             old = self._choices.get(index)
             old_logprobs = None if old is None else old.logprobs
@@ -129,6 +139,6 @@ class OutputAssembler:
                 logprobs=new_logprobs, finish_reason=finish_reason, stop_reason=stop_reason)
         out = RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
                             outputs=[self._choices[i] for i in sorted(self._choices)], finished=bool(finished),
-                            num_cached_tokens=int(num_cached), error=error)
+                            num_cached_tokens=int(num_cached), error=error, prompt_logprobs=self._prompt_logprobs)
         self.on_output(out)
         return out

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ConfigError
 from jaxllm.dtypes import resolve_kv_cache_dtype
-from jaxllm.engine import compile_monitor, multihost
+from jaxllm.engine import compile_monitor, multihost, prompt_logprobs
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
@@ -356,6 +356,8 @@ class LLMEngine:
 
     def _update(self, step, result: StepResult) -> list[RequestOutput]:
         pooled: list[Request] = []
+        if result.prompt_logprobs is not None:
+            prompt_logprobs.fill(*result.prompt_logprobs, self._token_text)
         for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens, strict=True)):
             if seq.finished:  # ended while its step ran (the step before finished or aborted it)
                 continue
@@ -459,7 +461,8 @@ class LLMEngine:
             cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
             finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
-                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error)
+                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error,
+                             prompt_logprobs=request.prompt_logprobs)
 
     def stats(self) -> dict:
         """Read on the engine's own thread; other threads read `EngineLoop.stats`."""

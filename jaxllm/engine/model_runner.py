@@ -26,7 +26,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from jaxllm.attention_metadata import AttentionMetadata
-from jaxllm.engine import compile_monitor
+from jaxllm.engine import compile_monitor, prompt_logprobs
 from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.encoder_runner import EncoderRunner
 from jaxllm.engine.executable_cache import ExecutableCache, step_key
@@ -43,7 +43,7 @@ UINT32 = 1 << 32
 
 
 def _step(graphdef, state_def, generates, pools, params, caches, ids, positions, meta, logit_rows, sampling,
-          images=None):
+          prompt_targets, images=None):
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     if images is None:
         hidden, caches = model.forward_paged(ids, positions, caches, meta)
@@ -57,19 +57,22 @@ def _step(graphdef, state_def, generates, pools, params, caches, ids, positions,
         # [S, 3 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of five
         packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
                                   bits(top_logprobs)], axis=1)
+        # [T, prompt_logprobs.width] i32: each prompt row's logprob of the next prompt token (a step with none: zeros)
+        prompt = prompt_logprobs.compute(model.logits, hidden, prompt_targets, model.config.vocab_size)
     else:  # a model that only pools
         tokens = jnp.zeros((s,), jnp.int32)
         packed = jnp.zeros((s, 3 + 2 * MAX_LOGPROBS), jnp.int32)
+        prompt = jnp.zeros((ids.shape[0], prompt_logprobs.width(model.config.vocab_size)), jnp.int32)
     # [T]: row i's token at position i, the ids of a decode step that follows this one with the same sequences
     # (a step dispatched before this one's tokens are read back: see LLMEngine.step)
     t = ids.shape[0]
     next_ids = jnp.zeros((t,), jnp.int32).at[:min(s, t)].set(tokens[:min(s, t)])
     if not pools:  # a model that only generates: the same outputs, none of the work (decode steps stay lean)
         return (caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32),
-                next_ids)
+                next_ids, prompt)
     pooled = _pool_chunks(hidden, meta)
     classified = model.classify(pooled) if hasattr(model, "classify") else jnp.zeros((s, 0), jnp.float32)
-    return caches, packed, pooled, classified, next_ids
+    return caches, packed, pooled, classified, next_ids, prompt
 
 
 def _pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
@@ -118,7 +121,8 @@ class PendingStep:
     step: ScheduledStep
     bucket: tuple[int, int]
     rows: list[Sequence]  # the sequences that get a token, in row order
-    outputs: list[jax.Array]  # packed sampler output, pooled, classified, next ids
+    outputs: list[jax.Array]  # packed sampler output, pooled, classified, next ids, prompt logprobs
+    spans: list[prompt_logprobs.Span]  # the rows that score prompt tokens
 
     @property
     def next_ids(self) -> jax.Array:
@@ -136,6 +140,8 @@ class StepResult:
     top_logprobs: np.ndarray  # [n, 20]
     # Steps with pooling requests: ([len(step.seqs), 3, E] first, last, summed hidden state; [len(step.seqs), labels])
     pooled: tuple[np.ndarray, np.ndarray] | None = None
+    # Steps that score prompt tokens: ([T, prompt_logprobs.width] packed rows, the spans they belong to)
+    prompt_logprobs: tuple[np.ndarray, list[prompt_logprobs.Span]] | None = None
 
 
 class ModelRunner:
@@ -387,18 +393,18 @@ class ModelRunner:
         back yet, whose sequences this step decodes once more (one token each, in the same order): its tokens, on
         the device, are this step's ids, and every sequence is one token further than its host state says."""
         bucket = bucket or (after.bucket if after is not None else self.bucket_for(step.num_tokens, len(step.seqs)))
-        inputs, rows = self._inputs(step, bucket, self._image_embeds(step) if self.multimodal and step else None,
-                                    ahead=int(after is not None))
+        inputs, rows, spans = self._inputs(step, bucket, self._image_embeds(step) if self.multimodal and step else None,
+                                           ahead=int(after is not None))
         if after is not None:
             inputs = (after.next_ids, *inputs[1:])
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
-        return PendingStep(step, bucket, rows, self.run_inputs(bucket, inputs))
+        return PendingStep(step, bucket, rows, self.run_inputs(bucket, inputs), spans)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step and reads back what the host needs of it."""
-        out, pooled, classified, _ = pending.outputs
+        out, pooled, classified, _, prompt = pending.outputs
         tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out))
         seqs = pending.step.seqs
         if any(q.pooled is not None for q in seqs):
@@ -408,7 +414,9 @@ class ModelRunner:
         if self._watchdog is not None:
             self._watchdog.finished()
         n = len(pending.rows)
-        return StepResult(pending.rows, tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled)
+        scored = (np.asarray(prompt), pending.spans) if pending.spans else None
+        return StepResult(pending.rows, tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled,
+                          scored)
 
     def run_inputs(self, bucket: tuple[int, int], inputs: tuple, wait: bool = False) -> list[jax.Array]:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the
@@ -432,11 +440,12 @@ class ModelRunner:
             self.executable_cache.save(key, run)
 
     def _inputs(self, step: ScheduledStep, bucket: tuple[int, int], embeds: dict[bytes, np.ndarray] | None = None,
-                ahead: int = 0) -> tuple[tuple, list[Sequence]]:
-        """The step's host inputs padded to `bucket`: (ids, positions, metadata, logit rows, sampling[, images]),
-        and the sequences that get a token, in row order. embeds: a vision-language model's image embeddings by
-        image hash (`_image_embeds`); ahead: tokens each sequence has beyond its host state (a step dispatched
-        after one not read back yet; its ids come from the device)."""
+                ahead: int = 0) -> tuple[tuple, list[Sequence], list[prompt_logprobs.Span]]:
+        """The step's host inputs padded to `bucket`: (ids, positions, metadata, logit rows, sampling, prompt
+        targets[, images]), the sequences that get a token, in row order, and the rows that score prompt tokens.
+        embeds: a vision-language model's image embeddings by image hash (`_image_embeds`); ahead: tokens each
+        sequence has beyond its host state (a step dispatched after one not read back yet; its ids come from the
+        device)."""
         t, s = bucket
         ids = np.zeros(t, np.int32)
         positions = np.zeros((3, t) if self.multimodal else t, np.int32)
@@ -467,7 +476,9 @@ class ModelRunner:
                                                           zip(step.seqs, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
-        inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s, ahead))
+        targets, spans = prompt_logprobs.targets(step.seqs, step.num_new_tokens, t) if not ahead else \
+            (np.full(t, -1, np.int32), [])
+        inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s, ahead), targets)
         if self.multimodal:
             inputs += (self._no_images[t] if images is None else images,)
-        return inputs, rows
+        return inputs, rows, spans

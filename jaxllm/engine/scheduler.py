@@ -122,10 +122,11 @@ class Scheduler:
             if not self._ready(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            # Mean and CLS pooling read every token's hidden state, and an encoder's tokens attend to each other: a
-            # prefix-cache hit would skip some.
+            # Mean and CLS pooling read every token's hidden state, an encoder's tokens attend to each other, and
+            # prompt logprobs score every prompt token: a prefix-cache hit would skip some.
             every_token = not self.chunked or (seq.pooled is not None and seq.pooled.pooling is not None
-                                               and seq.pooled.pooling.needs_every_token)
+                                               and seq.pooled.pooling.needs_every_token) or \
+                (seq.request.prompt_logprobs is not None and seq.index == 0)  # every prompt token is scored
             cached = [] if every_token else self.bm.cached_prefix(seq)
             start = len(cached) * self.bm.page_size
             n = min(seq.num_tokens - start, budget)

@@ -83,6 +83,10 @@ class Request:
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
         self.error: str | None = None  # set when handling this request raised; it then ends
+        # vLLM's prompt_logprobs: entry i scores prompt token i given those before it (entry 0: None), filled as
+        # the prompt is prefilled (`engine.prompt_logprobs`)
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
+            [None] * len(prompt_token_ids) if getattr(params, "prompt_logprobs", None) is not None else None
 
     @property
     def finished(self) -> bool:

@@ -69,13 +69,15 @@ def test_the_8b_step_exports_with_the_native_kernel(platform):
         assert text.count(NATIVE_CALL[platform]) <= 2, bucket
         assert "stablehlo.while" in text
         tokens, seqs = bucket
-        packed = exported.out_avals[-4]  # tokens, logprobs, top-20 ids, top-20 logprobs: one int32 array a row
-        assert packed.shape == (seqs, 2 + 2 * 20) and packed.dtype == jnp.int32
-        pooled = exported.out_avals[-3]  # each sequence's first, last and summed hidden state (pooling requests)
+        packed = exported.out_avals[-5]  # tokens, logprobs, ranks, top-20 ids, top-20 logprobs: int32 rows
+        assert packed.shape == (seqs, 3 + 2 * 20) and packed.dtype == jnp.int32
+        pooled = exported.out_avals[-4]  # each sequence's first, last and summed hidden state (pooling requests)
         assert pooled.shape == (seqs, 3, 4096) and pooled.dtype == jnp.float32
-        assert exported.out_avals[-2].shape == (seqs, 0)  # a classifier head's outputs: none here
-        next_ids = exported.out_avals[-1]  # the tokens as the next decode step's ids (async scheduling)
+        assert exported.out_avals[-3].shape == (seqs, 0)  # a classifier head's outputs: none here
+        next_ids = exported.out_avals[-2]  # the tokens as the next decode step's ids (async scheduling)
         assert next_ids.shape == (tokens,) and next_ids.dtype == jnp.int32
+        prompt = exported.out_avals[-1]  # each row's prompt logprob, rank and top 20 (prompt_logprobs requests)
+        assert prompt.shape == (tokens, 2 + 2 * 20) and prompt.dtype == jnp.int32
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

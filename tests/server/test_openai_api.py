@@ -138,3 +138,44 @@ def test_greedy_chat_over_http_equals_llm_chat(client, smollm2_llm):
     local = smollm2_llm.chat(messages, SamplingParams(temperature=0, max_tokens=48),
                              use_tqdm=False)[0].outputs[0].text
     assert http == local
+
+
+def test_echo_with_logprobs_scores_the_prompt(server, client):
+    """OpenAI's legacy echo + logprobs (what evaluation harnesses send): the prompt's tokens with their logprobs
+    (the first None), then the generated ones; a prompt token scores as it did when the model generated it."""
+    prompt = "The capital of France is"
+    gen = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=3, temperature=0,
+                                    logprobs=1)
+    ids = tokenize(server, prompt=prompt)["tokens"]
+    generated = tokenize(server, prompt=gen.choices[0].text, add_special_tokens=False)["tokens"]
+    assert len(generated) == 3  # (re-tokenizing the text gives back the 3 tokens)
+    scored = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids + generated, max_tokens=1,
+                                       temperature=0, logprobs=2, echo=True)
+    lp = scored.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3 + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:]) and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert scored.choices[0].text.startswith(prompt + gen.choices[0].text)
+    for got, want in zip(lp.token_logprobs[len(ids):len(ids) + 3], gen.choices[0].logprobs.token_logprobs,
+                         strict=True):
+        assert abs(got - want) < 2e-3, (got, want)  # prefill rows score what decode steps sampled
+    stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=2, temperature=0,
+                                       logprobs=0, echo=True, stream=True)
+    chunks = [c for c in stream if c.choices]
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None and len(first.tokens) >= len(ids)
+    np_scored = scored.choices[0].logprobs.token_logprobs[1:len(ids)]
+    assert all(abs(a - b) < 2e-3 for a, b in zip(first.token_logprobs[1:len(ids)], np_scored, strict=True))
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server):
+    for path, body in (("/v1/completions", {"prompt": "Hello there"}),
+                       ("/v1/chat/completions", {"messages": CHAT})):
+        r = requests.post(server.url + path, headers=AUTH, timeout=120,
+                          json={"model": "SmolLM2-135M-Instruct", "max_tokens": 2, "temperature": 0,
+                                "prompt_logprobs": 2, **body}).json()
+        plp = r["choices"][0]["prompt_logprobs"] if path == "/v1/completions" else r["prompt_logprobs"]
+        assert plp[0] is None and len(plp) == r["usage"]["prompt_tokens"]
+        for entry in plp[1:]:
+            assert 2 <= len(entry) <= 3 and {e["rank"] for e in entry.values()} >= {1, 2}
+            assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
