@@ -1,8 +1,11 @@
 """Capacity plan for a preset on an accelerator: weights per device, KV bytes per token, pages that fit, maximum
 concurrency at max_model_len, and the decode roofline (HBM bytes a step must read / peak bandwidth).
 
-    python -m jaxllm.plan --preset llama-3.1-8b-h100 [--device h100] [--tp N] [--context 1024]
-    python -m jaxllm.plan --model path/to/hf-folder --device v6e --tp 4
+    jaxllm plan [MODEL] [--preset llama-3.1-8b-h100] [--device h100] [--tp N] [--context 1024]
+    jaxllm plan Qwen/Qwen2.5-7B-Instruct --device v6e --tp 4     # a hub id: only its config.json is fetched
+
+MODEL: a Hugging Face folder, a GGUF file, a hub id (org/name; org/name:QUANT fetches that GGUF file), or a model
+whose config ships in jaxllm/configs/models/ (meta-llama/Llama-3.1-8B-Instruct); default: the preset's model.
 
 The numbers follow the engine's own rules: parameters counted from the model's abstract shapes, split as the
 sharding rules split them; the KV budget as `LLMEngine` takes it on an accelerator (a fraction of the device
@@ -16,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -75,14 +79,28 @@ def bundled_model_config(served_model_name: str) -> ModelConfig | None:
 
 
 def model_config(engine: EngineConfig) -> ModelConfig:
-    path = Path(engine.model or "")
-    if engine.model and (path / "config.json").is_file():
-        from jaxllm.loading.hf import load_hf_config
-        return load_hf_config(path)
+    """The config of the engine's model (`engine.model` as `jaxllm plan MODEL` takes it), else of its served name's
+    bundled config. Raises LoadError (one line) when there is neither."""
+    from jaxllm.loading import LoadError
+    from jaxllm.loading.gguf import gguf_config
+    from jaxllm.loading.gguf_file import GGUFFile
+    from jaxllm.loading.hf import load_hf_config
+    from jaxllm.loading.resolve import looks_like_hub_id, resolve_config, resolve_model
+
+    name = engine.model
+    if name and (cfg := bundled_model_config(name)) is not None and not Path(name).exists():
+        return cfg
+    if name and (Path(name).exists() or looks_like_hub_id(name)):
+        if ":" in name or Path(name).is_file():  # a GGUF file: its metadata holds the config
+            return gguf_config(GGUFFile(resolve_model(name, revision=engine.revision,
+                                                      download_dir=engine.download_dir).path))
+        folder = Path(name) if Path(name).exists() else resolve_config(name, revision=engine.revision,
+                                                                       download_dir=engine.download_dir)
+        return load_hf_config(folder)
     cfg = bundled_model_config(engine.served_model_name or "")
     if cfg is None:
-        raise SystemExit(f"no config.json at {engine.model!r} and no bundled config for "
-                         f"{engine.served_model_name!r}: pass --model with a Hugging Face folder")
+        raise LoadError(f"{name or engine.served_model_name!r}: no such folder or file, not a hub id, and no config "
+                        "bundled for it")
     return cfg
 
 
@@ -137,21 +155,33 @@ def render(plan: Plan, cfg: ModelConfig) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="jaxllm plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", nargs="?", metavar="MODEL", help="default: the preset's model")
+    p.add_argument("--model", dest="model_flag", metavar="MODEL", help="the same as the positional MODEL")
+    p.add_argument("--revision", help="a hub id's branch, tag or commit")
     p.add_argument("--preset", default="llama-3.1-8b-h100")
-    p.add_argument("--model", help="a Hugging Face folder (its config.json) instead of the preset's model")
     p.add_argument("--device", choices=sorted(DEVICES), help="default: from the preset's name, else h100")
     p.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence for the roofline")
     p.add_argument("--kv-cache-dtype", help="default: the preset's (auto: the model's dtype)")
     args = p.parse_args(argv)
-    engine = EngineConfig.from_preset(args.preset, model=args.model, kv_cache_dtype=args.kv_cache_dtype)
-    cfg = model_config(engine)
-    device = args.device or next((d for d in DEVICES if d in args.preset), "h100")
-    plan = make_plan(cfg, engine, DEVICES[device], args.tp or engine.tensor_parallel_size, args.context)
+    from jaxllm.config import ConfigError
+    from jaxllm.loading import LoadError
+
+    try:
+        engine = EngineConfig.from_preset(args.preset, model=args.model or args.model_flag, revision=args.revision,
+                                          kv_cache_dtype=args.kv_cache_dtype)
+        cfg = model_config(engine)
+        device = args.device or next((d for d in DEVICES if d in args.preset), "h100")
+        plan = make_plan(cfg, engine, DEVICES[device], args.tp or engine.tensor_parallel_size, args.context)
+    except (LoadError, ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(render(plan, cfg))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

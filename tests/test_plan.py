@@ -51,3 +51,41 @@ def test_a_float8_cache_halves_kv_bytes_and_doubles_pages():
     plan = make_plan(bundled_model_config(engine.served_model_name), engine, DEVICES["h100"], tp=1, context=1024)
     assert plan.kv_bytes_per_token == 64 * 1024
     assert plan.num_pages == 2 * 20755 or plan.num_pages == 2 * 20755 + 1
+
+
+def _plan(*argv, **env):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "JAXLLM_"))} | env
+    return subprocess.run([sys.executable, "-m", "jaxllm", "plan", *argv], capture_output=True, text=True,
+                          env=environ, cwd=Path(__file__).resolve().parents[1], timeout=300)
+
+
+def test_plan_a_model_by_name(tiny_model_dir, tmp_path):
+    """`jaxllm plan MODEL`: a folder, a hub id (only config.json is fetched), a bundled config by its hub name; a
+    model that cannot be found is one line and exit status 2."""
+    from tests.loading.fake_hub import FakeHub, Repo
+
+    folder, _ = tiny_model_dir("llama")
+    files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    hub = FakeHub({"acme/tiny": Repo(files)})
+    try:
+        env = dict(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path / "cache"), HF_HUB_DISABLE_PROGRESS_BARS="1")
+        local = _plan(str(folder), "--preset", "llama-3.1-8b-h100", **env)
+        by_id = _plan("acme/tiny", **env)
+        assert local.returncode == by_id.returncode == 0, by_id.stderr
+        assert "decode roofline, batch 1" in by_id.stdout and by_id.stdout == local.stdout
+        assert hub.downloads("acme/tiny") == ["config.json"]  # not the weights
+        offline = _plan("acme/tiny", HF_HUB_OFFLINE="1", **env)  # the warm cache answers
+        assert offline.returncode == 0 and offline.stdout == by_id.stdout
+        missing = _plan("acme/nothing-here", **env)
+        assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1].startswith(
+            "error: acme/nothing-here: ")
+        assert "Traceback" not in missing.stderr
+    finally:
+        hub.close()
+    bundled = _plan("meta-llama/Llama-3.1-70B-Instruct", "--tp", "8", HF_HUB_OFFLINE="1")
+    assert bundled.returncode == 0 and "80 layers" in bundled.stdout

@@ -64,6 +64,17 @@ def resolve_model(name: str | Path | None, *, revision: str | None = None,
     return resolved
 
 
+def resolve_config(name: str, *, revision: str | None = None, download_dir: str | Path | None = None) -> Path:
+    """The folder holding a hub model's config.json, fetching only that file (for plans; a warm cache works
+    offline). Raises LoadError with one line."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return Path(hf_hub_download(name, "config.json", revision=revision, cache_dir=download_dir)).parent
+    except Exception as e:  # huggingface_hub's errors -> one line
+        raise LoadError(f"{name}: {_why(e, revision)}") from None
+
+
 def _from_hub(name: str, repo: str, quant: str, revision: str | None, download_dir) -> ResolvedModel:
     from huggingface_hub import hf_hub_download, snapshot_download
 
