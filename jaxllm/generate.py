@@ -22,6 +22,7 @@ from pathlib import Path
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import InvalidRequestError
+from jaxllm.loading.embedded import EMBEDDED_PRESET
 from jaxllm.loading.errors import LoadError
 from jaxllm.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "(org/name:Q4_K_M: that GGUF file of the repository); default: embedded SmolLM2")
     m.add_argument("--revision", help="of a hub id: a branch, tag or commit (default: main)")
     m.add_argument("--download-dir", help="Hugging Face cache for hub ids (default: huggingface_hub's, HF_HUB_CACHE)")
-    m.add_argument("--preset", default="smollm2-cpu", help="engine preset in jaxllm/configs/ or a TOML file "
+    m.add_argument("--preset", default=EMBEDDED_PRESET, help="engine preset in jaxllm/configs/ or a TOML file "
                    "(default: smollm2-cpu)")
     m.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
     m.add_argument("--tensor-parallel-size", type=int, help="devices to shard the model over")

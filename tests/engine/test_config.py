@@ -15,3 +15,21 @@ def test_a_smaller_budget_over_a_presets_buckets_drops_those_it_never_fills():
     small = EngineConfig.from_preset("smollm2-cpu", max_num_batched_tokens=100, max_num_seqs=16)
     assert small.buckets() == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 16), (32, 16), (48, 16), (64, 16), (96, 16),
                                (128, 16)]
+
+
+def test_the_embedded_model_starts_from_one_preset_everywhere():
+    """`LLM()`, `jaxllm serve` / gunicorn and `jaxllm generate` run the embedded model with the same engine config
+    (generate sizes its KV cache for its own sequences: only num_pages differs)."""
+    import dataclasses
+
+    from jaxllm import LLM
+    from jaxllm.generate import _engine_config, parse_args
+    from server.settings import ServerSettings
+
+    offline = LLM.engine_config()
+    server = ServerSettings.from_env({}).engine
+    assert offline == server
+    assert offline == EngineConfig.from_preset("smollm2-cpu")
+    cli = _engine_config(parse_args(["hello"]), num_sequences=1)
+    assert dataclasses.replace(cli, num_pages=None) == offline
+    assert LLM.engine_config("some/folder") == EngineConfig(model="some/folder")  # other models: as configured
