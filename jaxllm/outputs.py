@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import numpy as np
 
@@ -84,23 +85,6 @@ class EmbeddingOutput:
 
 
 @dataclasses.dataclass
-class EmbeddingRequestOutput:
-    """vLLM's: what `LLM.embed` returns (`outputs.embedding`, a list of floats)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
-
-    @classmethod
-    def from_pooling(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, EmbeddingOutput(out.outputs.data.tolist()),
-                   out.finished, out.num_cached_tokens)
-
-
-@dataclasses.dataclass
 class ClassificationOutput:
     probs: list[float]  # one per class: softmax over several, the sigmoid of a single logit
 
@@ -110,20 +94,37 @@ class ClassificationOutput:
 
 
 @dataclasses.dataclass
-class ClassificationRequestOutput:
-    """vLLM's: what `LLM.classify` returns."""
+class _TypedPoolingOutput:
+    """A pooling request's output as one of vLLM's typed views (the vector as a list under the view's name)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: ClassificationOutput
+    outputs: EmbeddingOutput | ClassificationOutput
     finished: bool = True
     num_cached_tokens: int = 0
+    view: typing.ClassVar[type]
 
     @classmethod
-    def from_pooling(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
-        return cls(out.request_id, out.prompt, out.prompt_token_ids, ClassificationOutput(out.outputs.data.tolist()),
+    def from_pooling(cls, out: PoolingRequestOutput):
+        return cls(out.request_id, out.prompt, out.prompt_token_ids, cls.view(out.outputs.data.tolist()),
                    out.finished, out.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput(_TypedPoolingOutput):
+    """vLLM's: what `LLM.embed` returns (`outputs.embedding`, a list of floats)."""
+
+    outputs: EmbeddingOutput
+    view = EmbeddingOutput
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput(_TypedPoolingOutput):
+    """vLLM's: what `LLM.classify` returns (`outputs.probs`)."""
+
+    outputs: ClassificationOutput
+    view = ClassificationOutput
 
 
 @dataclasses.dataclass

@@ -26,6 +26,20 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_folder(tiny_model_dir, tmp_path_factory):
+    """The tiny random Llama with a tiny BPE tokenizer and ChatML template: a server on it starts in seconds."""
+    import shutil
+
+    from tests.tiny_models import add_tiny_tokenizer
+
+    folder, _ = tiny_model_dir("llama")
+    with_tokenizer = tmp_path_factory.mktemp("tiny_llama_tokenizer") / "llama"
+    shutil.copytree(folder, with_tokenizer)  # other tests use the tiny model without a tokenizer
+    add_tiny_tokenizer(with_tokenizer)
+    return with_tokenizer
+
+
+@pytest.fixture(scope="session")
 def tiny_embedding_dir(tmp_path_factory):
     """pooling ("last", "mean", "cls") -> a tiny random Qwen3 saved as a sentence-transformers model (its pooling
     config, a Normalize module, a tiny tokenizer with a pad token), like Qwen3-Embedding."""

@@ -142,19 +142,6 @@ def test_beam_search(llm):
         BeamSearchParams(beam_width=11, max_tokens=4)  # candidates are the top 2 x beam_width logprobs (20 at most)
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(tiny_model_dir, tmp_path_factory):
-    import shutil
-
-    from tests.tiny_models import add_tiny_tokenizer
-
-    folder, _ = tiny_model_dir("llama")
-    with_tokenizer = tmp_path_factory.mktemp("vllm_examples") / "llama"
-    shutil.copytree(folder, with_tokenizer)
-    add_tiny_tokenizer(with_tokenizer)
-    return with_tokenizer
-
-
 POOLING_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=256)
 
 
@@ -176,17 +163,17 @@ def test_embed(tiny_embedding_dir, compile_cache_dir):
     np.testing.assert_array_equal(encoded[0].outputs.data, np.asarray(outputs[0].outputs.embedding, np.float32))
 
 
-def test_a_causal_model_as_an_embedder(tiny_llama, compile_cache_dir):
+def test_a_causal_model_as_an_embedder(tiny_folder, compile_cache_dir):
     """runner="pooling" (or vLLM's older task="embed") on a causal LM: its last token's final hidden state,
     normalized, as transformers computes it; it still generates."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
-    llm = LLM(model=str(tiny_llama), task="embed", compilation_cache_dir=compile_cache_dir, **POOLING_OPTIONS)
+    llm = LLM(model=str(tiny_folder), task="embed", compilation_cache_dir=compile_cache_dir, **POOLING_OPTIONS)
     texts = ["The quick brown fox jumps over the lazy dog.", "A city by the sea"]
     got = np.array([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
-    tok = AutoTokenizer.from_pretrained(tiny_llama)
-    model = AutoModel.from_pretrained(tiny_llama, torch_dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_folder)
+    model = AutoModel.from_pretrained(tiny_folder, torch_dtype=torch.float32)
     for text, vec in zip(texts, got, strict=True):
         ids = llm.get_tokenizer().encode(text)
         with torch.no_grad():
@@ -195,7 +182,7 @@ def test_a_causal_model_as_an_embedder(tiny_llama, compile_cache_dir):
         assert ids == tok(text)["input_ids"]
     assert llm.generate("Hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="contradicts"):
-        LLM(model=str(tiny_llama), task="embed", runner="generate")
+        LLM(model=str(tiny_folder), task="embed", runner="generate")
 
 
 def test_classify_and_score(tiny_encoder_dir, compile_cache_dir):
@@ -224,10 +211,10 @@ def test_classify_and_score(tiny_encoder_dir, compile_cache_dir):
         assert output.outputs.score == pytest.approx(float(torch.sigmoid(logit)), abs=1e-5)
 
 
-def test_engine_options_as_vllm_names_them(tiny_llama, compile_cache_dir):
+def test_engine_options_as_vllm_names_them(tiny_folder, compile_cache_dir):
     """Keywords a vLLM script passes that configure nothing here are accepted; misspelled ones are not."""
     options = {**POOLING_OPTIONS, "max_model_len": 200}
-    llm = LLM(model=str(tiny_llama), enforce_eager=True, trust_remote_code=False, disable_log_stats=True, seed=0,
+    llm = LLM(model=str(tiny_folder), enforce_eager=True, trust_remote_code=False, disable_log_stats=True, seed=0,
               compilation_cache_dir=compile_cache_dir, **options)
     assert llm.engine.max_model_len == 200
     with pytest.raises(TypeError):

@@ -35,9 +35,24 @@ def test_deltas_rebuild_every_cumulative_output():
 def test_a_delta_carries_only_what_is_new():
     deltas = proto.OutputDeltas()
     deltas.delta(_out("x" * 1000, list(range(500)), None))
-    _, _, _, choices = deltas.delta(_out("x" * 1001, list(range(501)), None))
+    _, _, _, choices, prompt = deltas.delta(_out("x" * 1001, list(range(501)), None))
     index, keep, text, ids, *_ = choices[0]
     assert (index, keep, text, ids) == (0, 1000, "x", [500])
+    assert prompt is None  # no prompt logprobs asked for
+
+
+def test_prompt_logprobs_cross_once():
+    scored = [None, {7: Logprob(-1.5, 3, "b"), 5: Logprob(-0.2, 1, "a")}]
+    deltas = proto.OutputDeltas()
+    got = []
+    client = proto.OutputAssembler("r", "ab", [4, 7], got.append)
+    for text, ids in (("x", [1]), ("xy", [1, 2])):
+        out = _out(text, ids, None)
+        out.prompt_logprobs = scored
+        delta = proto.decode(proto.encode("out", "r", deltas.delta(out)))[2]
+        assert (delta[4] is not None) == (text == "x")  # sent with the first output only
+        client.apply(delta)
+    assert got[0].prompt_logprobs == got[1].prompt_logprobs == scored
 
 
 def test_sampling_params_round_trip_and_are_validated_again():

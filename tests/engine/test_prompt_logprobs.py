@@ -16,19 +16,11 @@ OPTIONS = dict(dtype="float32", attn_impl="reference", max_num_seqs=8, max_num_b
 
 
 @pytest.fixture(scope="module")
-def setup(tiny_model_dir, tmp_path_factory, compile_cache_dir):
-    import shutil
-
+def setup(tiny_folder, compile_cache_dir):
     from transformers import AutoModelForCausalLM
 
-    from tests.tiny_models import add_tiny_tokenizer
-
-    folder, _ = tiny_model_dir("llama")
-    with_tokenizer = tmp_path_factory.mktemp("prompt_logprobs") / "llama"
-    shutil.copytree(folder, with_tokenizer)
-    add_tiny_tokenizer(with_tokenizer)
-    llm = LLM(str(with_tokenizer), compilation_cache_dir=compile_cache_dir, **OPTIONS)
-    hf = AutoModelForCausalLM.from_pretrained(with_tokenizer, dtype=torch.float32).eval()
+    llm = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_folder, dtype=torch.float32).eval()
     return llm, hf
 
 

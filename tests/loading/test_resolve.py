@@ -133,13 +133,10 @@ def test_unreachable_models_are_one_line(hub, tmp_path):
 
 
 @pytest.mark.slow
-def test_generate_runs_a_model_by_hub_id(hub, tmp_path, tiny_model_dir):
+def test_generate_runs_a_model_by_hub_id(hub, tmp_path, tiny_folder):
     """`python -m jaxllm.generate --model org/name` gives the local folder's output; a missing repo is one line,
     exit status 2."""
-    from tests.tiny_models import add_tiny_tokenizer
-
-    folder, _ = tiny_model_dir("llama")
-    add_tiny_tokenizer(folder)
+    folder = tiny_folder  # (a copy with a tokenizer: the shared tiny model must stay without one)
     hub.repos["acme/tiny-llama"] = Repo({p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()})
     environ = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
     environ.update(HF_ENDPOINT=hub.url, HF_HUB_CACHE=str(tmp_path), HF_HUB_DISABLE_PROGRESS_BARS="1")

@@ -131,20 +131,6 @@ def multi_api_server(tmp_path_factory, compile_cache_dir):
     assert srv.stop() == 0, log.read_text()[-3000:]
 
 
-@pytest.fixture(scope="session")
-def tiny_folder(tiny_model_dir, tmp_path_factory):
-    """The tiny random Llama with a tiny BPE tokenizer and ChatML template: a server on it starts in seconds."""
-    import shutil
-
-    from tests.tiny_models import add_tiny_tokenizer
-
-    folder, _ = tiny_model_dir("llama")
-    with_tokenizer = tmp_path_factory.mktemp("tiny_llama_tokenizer") / "llama"
-    shutil.copytree(folder, with_tokenizer)  # other tests use the tiny model without a tokenizer
-    add_tiny_tokenizer(with_tokenizer)
-    return with_tokenizer
-
-
 def tiny_engine_env(folder: Path, compile_cache_dir: str) -> dict[str, str]:
     return {"JAXLLM_MODEL": str(folder), "JAXLLM_DTYPE": "float32", "JAXLLM_ATTN_IMPL": "reference",
             "JAXLLM_MATMUL_IMPL": "reference", "JAXLLM_MAX_NUM_SEQS": "16", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "64",

@@ -1,1 +1,0 @@
-from tests.server.conftest import tiny_folder  # noqa: F401 (the tiny Llama with a tokenizer, as the server tests use)
