@@ -61,8 +61,7 @@ class LLM:
             if engine_options.setdefault("runner", TASK_RUNNERS[task]) != TASK_RUNNERS[task]:
                 raise ValueError(f"task={task!r} contradicts runner={engine_options['runner']!r}")
         self.image_policy = image_policy or ImagePolicy()
-        config = self.engine_config(model if isinstance(model, str) or model is None else None, preset,
-                                    embedded=model is None, **engine_options)
+        config = self.engine_config(model, preset, **engine_options)
         if isinstance(model, LlamaForCausalLM):
             self.engine = LLMEngine(config, model=model, tokenizer=tokenizer)
         else:
@@ -70,16 +69,17 @@ class LLM:
         self._ids = itertools.count()
 
     @staticmethod
-    def engine_config(model: str | None = None, preset: str | None = None, *, embedded: bool | None = None,
+    def engine_config(model: str | LlamaForCausalLM | None = None, preset: str | None = None,
                       **engine_options: Any) -> EngineConfig:
-        """The engine config `LLM(model, preset=..., **engine_options)` runs with: the embedded model starts from the
-        preset the server and the CLI start it from (`EMBEDDED_PRESET`), other models from the dataclass's
-        defaults unless a preset is named."""
-        if preset is None and (model is None if embedded is None else embedded):
+        """The engine config `LLM(model, preset=..., **engine_options)` runs with: the embedded model (no model)
+        starts from the preset the server and the CLI start it from (`EMBEDDED_PRESET`), other models from the
+        dataclass's defaults unless a preset is named."""
+        path = model if isinstance(model, str) else None
+        if preset is None and model is None:
             preset = EMBEDDED_PRESET
         if preset:
-            return EngineConfig.from_preset(preset, model=model, **engine_options)
-        return EngineConfig(model=model, **engine_options)
+            return EngineConfig.from_preset(preset, model=path, **engine_options)
+        return EngineConfig(model=path, **engine_options)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -112,28 +112,15 @@ def log_request(gen: Generation, status: int = 200) -> None:
 
 
 # -- completions
-def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: int) -> dict:
+def _legacy_logprobs(pairs, n: int, tok, offset0: int) -> dict:
+    """OpenAI's legacy completions logprobs of (token id, {token id: Logprob} or None) pairs: each token's text,
+    logprob and top `n` alternatives (None for an entry with nothing before it to score against: an echoed prompt's
+    first token), and text offsets from `offset0`."""
     tokens, token_lps, tops, offsets = [], [], [], []
     pos = offset0
-    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
-        text = entry[token_id].decoded_token
-        tokens.append(text)
-        token_lps.append(entry[token_id].logprob)
-        ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)[:n]
-        tops.append({lp.decoded_token: lp.logprob for lp in ranked})
-        offsets.append(pos)
-        pos += len(text)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _echoed_logprobs(out: RequestOutput, n: int) -> dict:
-    """The prompt's part of an echoed completion's logprobs: its tokens, their logprobs (the first: None) and top
-    alternatives, text offsets from 0."""
-    tokens, token_lps, tops, offsets = [], [], [], []
-    pos = 0
-    for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
-        if entry is None:  # the first token: nothing before it to be scored against
-            text, lp, top = state().engine.tokenizer.decode([token_id], skip_special_tokens=False), None, None
+    for token_id, entry in pairs:
+        if entry is None:
+            text, lp, top = tok.decode([token_id], skip_special_tokens=False) if tok else "", None, None
         else:
             text, lp = entry[token_id].decoded_token, entry[token_id].logprob
             top = {e.decoded_token: e.logprob for e in sorted(entry.values(), key=lambda e: -e.logprob)[:n]}
@@ -143,6 +130,15 @@ def _echoed_logprobs(out: RequestOutput, n: int) -> dict:
         offsets.append(pos)
         pos += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: int) -> dict:
+    return _legacy_logprobs(zip(c.token_ids[start:], c.logprobs[start:], strict=False), n, tok, offset0)
+
+
+def _echoed_logprobs(out: RequestOutput, n: int, tok) -> dict:
+    """The prompt's part of an echoed completion's logprobs (the first token's: None), offsets from 0."""
+    return _legacy_logprobs(zip(out.prompt_token_ids, out.prompt_logprobs, strict=True), n, tok, 0)
 
 
 def _joined(a: dict, b: dict) -> dict:
@@ -181,7 +177,7 @@ def completions():
                 text = (prompt_text(out) if req.echo else "") + c.text
                 lp = None
                 if req.logprobs is not None and req.echo:
-                    echoed = _echoed_logprobs(out, req.logprobs)
+                    echoed = _echoed_logprobs(out, req.logprobs, tok)
                     offset = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
                     lp = _joined(echoed, _completion_logprobs(c, req.logprobs, 0, tok, offset))
                 elif req.logprobs is not None:
@@ -217,7 +213,7 @@ def completions():
                     continue
                 lp = None
                 if req.logprobs is not None:
-                    echoed = _echoed_logprobs(out, req.logprobs) if first and req.echo else None
+                    echoed = _echoed_logprobs(out, req.logprobs, tok) if first and req.echo else None
                     if echoed is not None:  # offsets of the generated text count from the end of the echoed prompt
                         echo_end[key] = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
                     lp = _completion_logprobs(c, req.logprobs, new_tokens, tok,

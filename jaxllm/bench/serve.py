@@ -161,7 +161,6 @@ def run(target: Target, reqs: Sequence[SampleRequest], *, request_rate: float = 
     """Sends `reqs` and returns vLLM's result dict (metrics in ms, throughputs per s, per-request lists)."""
     from tqdm import tqdm
 
-    limit = threading.Semaphore(max_concurrency or len(reqs))
     count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False))) if tokenizer else None
     local = threading.local()
     bar = tqdm(total=len(reqs), disable=not progress, desc="requests")
@@ -169,13 +168,13 @@ def run(target: Target, reqs: Sequence[SampleRequest], *, request_rate: float = 
     def task(req: SampleRequest) -> RequestResult:
         session = getattr(local, "session", None) or requests.Session()
         local.session = session
-        with limit:
-            result = send(target, req, session, count)
+        result = send(target, req, session, count)
         bar.update(1)
         return result
 
     gaps = arrival_gaps(len(reqs), request_rate, burstiness, seed)
     start = time.perf_counter()
+    # the pool's size is the concurrency limit: a request waits for a free thread before it is sent (and timed)
     with ThreadPoolExecutor(min(len(reqs), max_concurrency or len(reqs), 1024)) as pool:
         futures = []
         for req, gap in zip(reqs, gaps, strict=True):

@@ -69,6 +69,15 @@ def params_from_wire(value: Any) -> SamplingParams | PoolingParams:
     return msgspec.convert(value, kind, strict=False)
 
 
+def _to_wire(entry: dict[int, Logprob]) -> list:
+    """One token's {token id: Logprob} as msgpack-able lists."""
+    return [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in entry.items()]
+
+
+def _from_wire(entry: list) -> dict[int, Logprob]:
+    return {int(tid): Logprob(float(lp), rank, str(tok)) for tid, lp, rank, tok in entry}
+
+
 @dataclasses.dataclass
 class _Sent:
     text: str = ""
@@ -91,17 +100,14 @@ class OutputDeltas:
         for c in out.outputs:
             sent = self._sent.setdefault(c.index, _Sent())
             keep = len(sent.text) if c.text.startswith(sent.text) else len(os.path.commonprefix([sent.text, c.text]))
-            logprobs = None if c.logprobs is None else \
-                [[[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in entry.items()]
-                 for entry in c.logprobs[sent.logprobs:]]
+            logprobs = None if c.logprobs is None else [_to_wire(entry) for entry in c.logprobs[sent.logprobs:]]
             choices.append([c.index, keep, c.text[keep:], c.token_ids[sent.tokens:], logprobs, c.cumulative_logprob,
                             c.finish_reason, c.stop_reason])
             sent.text, sent.tokens = c.text, len(c.token_ids)
             sent.logprobs = 0 if c.logprobs is None else len(c.logprobs)
         prompt = None  # sent once, with the first output (the prompt is prefilled by then)
         if out.prompt_logprobs is not None and not self._prompt_logprobs_sent:
-            prompt = [None if e is None else [[tid, lp.logprob, lp.rank, lp.decoded_token] for tid, lp in e.items()]
-                      for e in out.prompt_logprobs]
+            prompt = [None if e is None else _to_wire(e) for e in out.prompt_logprobs]
             self._prompt_logprobs_sent = True
         return [out.finished, out.num_cached_tokens, out.error, choices, prompt]
 
@@ -126,13 +132,11 @@ class OutputAssembler:
             return out
         finished, num_cached, error, choices, prompt = delta
         if prompt is not None:
-            self._prompt_logprobs = [None if e is None else {int(tid): Logprob(float(lp), rank, str(tok))
-                                                             for tid, lp, rank, tok in e} for e in prompt]
+            self._prompt_logprobs = [None if e is None else _from_wire(e) for e in prompt]
         for index, keep, text, ids, logprobs, cumulative, finish_reason, stop_reason in choices:
             old = self._choices.get(index)
             old_logprobs = None if old is None else old.logprobs
-            new_logprobs = None if logprobs is None else (old_logprobs or []) + [
-                {int(tid): Logprob(float(lp), rank, str(tok)) for tid, lp, rank, tok in entry} for entry in logprobs]
+            new_logprobs = None if logprobs is None else (old_logprobs or []) + [_from_wire(e) for e in logprobs]
             self._choices[index] = CompletionOutput(
                 index=index, text=("" if old is None else old.text[:keep]) + text,
                 token_ids=([] if old is None else old.token_ids) + list(ids), cumulative_logprob=cumulative,

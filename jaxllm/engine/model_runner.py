@@ -190,10 +190,12 @@ class ModelRunner:
                          for _, s in self.buckets}
         self.mask_width = bitmask_width(cfg.vocab_size)
         self._no_mask = {s: put(np.full((s, self.mask_width), -1, np.int32)) for _, s in self.buckets}
+        self._no_prompt_targets = {t: put(np.full(t, -1, np.int32)) for t, _ in self.buckets}
         # By name: a multi-host step message refers to them, each host holding its own (jaxllm.engine.multihost).
         self.constants = {f"{kind}/{s}": a for s in self._no_history for kind, a in (
             ("history", self._no_history[s]), ("bias_ids", self._no_bias[s][0]),
             ("bias_values", self._no_bias[s][1]), ("mask", self._no_mask[s]))}
+        self.constants |= {f"prompt_targets/{t}": a for t, a in self._no_prompt_targets.items()}
         self.multimodal = getattr(model, "multimodal", False)
         self.encoder, self.encoder_cache = encoder, encoder_cache
         if self.multimodal:  # text-only steps pass these: nothing to transfer
@@ -476,8 +478,10 @@ class ModelRunner:
                                                           zip(step.seqs, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
-        targets, spans = prompt_logprobs.targets(step.seqs, step.num_new_tokens, t) if not ahead else \
-            (np.full(t, -1, np.int32), [])
+        if not ahead and any(q.request.prompt_logprobs is not None for q in step.seqs):
+            targets, spans = prompt_logprobs.targets(step.seqs, step.num_new_tokens, t)
+        else:  # nothing to score (every decode step): the device-resident constant, no transfer
+            targets, spans = self._no_prompt_targets[t], []
         inputs = (ids, positions, meta, logit_rows, self._sampling_tensors(rows, s, ahead), targets)
         if self.multimodal:
             inputs += (self._no_images[t] if images is None else images,)

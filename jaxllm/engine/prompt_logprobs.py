@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,9 @@ import numpy as np
 
 from jaxllm.outputs import Logprob
 from jaxllm.sampling_params import MAX_LOGPROBS
+
+if TYPE_CHECKING:
+    from jaxllm.engine.sequence import Request
 
 BLOCK_ROWS = 256  # rows whose logits are computed together: [BLOCK_ROWS, V] float32 at most
 
@@ -57,7 +61,7 @@ def compute(logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets
 @dataclasses.dataclass(frozen=True)
 class Span:
     """Rows [row, row + count) of a step hold prompt positions [position, position + count) of `request`."""
-    request: object
+    request: Request
     row: int
     position: int
     count: int

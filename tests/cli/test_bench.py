@@ -11,17 +11,9 @@ import sys
 import pytest
 import requests
 
-from tests.server.conftest import API_KEY, ROOT, Server, tiny_engine_env
+from tests.server.conftest import API_KEY, ROOT
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_folder, compile_cache_dir):
-    srv = Server({"JAXLLM_API_KEY": API_KEY}, tmp_path_factory.mktemp("bench") / "server.log",
-                 engine_env=tiny_engine_env(tiny_folder, compile_cache_dir))
-    yield srv
-    srv.stop()
 
 
 def bench(server, tiny_folder, *flags, key=API_KEY):

@@ -12,17 +12,9 @@ import time
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, ROOT, Server, tiny_engine_env
+from tests.server.conftest import API_KEY, ROOT
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_folder, compile_cache_dir):
-    srv = Server({"JAXLLM_API_KEY": API_KEY}, tmp_path_factory.mktemp("chat") / "server.log",
-                 engine_env=tiny_engine_env(tiny_folder, compile_cache_dir))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture(scope="module")
