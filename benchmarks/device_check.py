@@ -9,14 +9,16 @@ Parts (each recorded even when another fails; the exit status is 1 if any check 
    over decode, prefill and mixed batches, float32 and bfloat16 caches, with and without a sliding window;
 2. attention speed: decode 64 x 1024 and 256 x 2048 contexts and a mixed batch; KV bytes read per second
    against the device's peak HBM bandwidth (`jaxllm.plan.DEVICES`);
-3. engine agreement: the embedded SmolLM2 in bfloat16 (`--engine-dtype float32`: exactness) on this device
-   against the float32 CPU engine with the jnp kernels (run in a subprocess with JAX_PLATFORMS=cpu), greedy, the
-   first diverging token per prompt;
+3. engine agreement: the embedded SmolLM2 (or `--model`) in float32 (must be identical) and bfloat16 on this
+   device against the float32 CPU engine with the jnp kernels (run in a subprocess with JAX_PLATFORMS=cpu),
+   greedy, the first diverging token per prompt;
 4. 8B roofline: a Llama-3.1-8B-shaped model with random bfloat16 weights (no download): decode tok/s at batch 1,
    32, 128 and 256 (prompt 1024, 128 new tokens) and prefill tok/s, against the HBM-bandwidth (decode) and
-   FLOP (prefill) rooflines;
+   FLOP (prefill) rooflines; and a device profile of decode steps at batch 1, 32 and 256 and of prefill steps
+   (`device_profile.py`: time per kernel kind, idle gaps, the dearest kernels and their GB/s);
 5. no recompilation during the timed runs of parts 3 and 4.
-Writes device_check.json and device_check.md under --out (after each part). `--parts 14` runs some parts.
+Writes device_check.json and device_check.md under --out (after each part). `--parts 41` runs some parts, in
+that order.
 """
 
 from __future__ import annotations
@@ -46,7 +48,10 @@ from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.plan import DEVICES, Device, bundled_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_batch import random_paged_batch  # noqa: E402 (beside this script)
+import device_profile as kernel_profile  # noqa: E402 (beside this script)
+from paged_batch import random_paged_batch  # noqa: E402
+
+PROFILE_STEPS = 9  # traced steps a decode profile covers (the first recomputes each cached prompt's last token)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
            "Explain photosynthesis in one sentence.", "Who wrote Hamlet?", "What is 17 times 23?",
@@ -69,6 +74,7 @@ class Sizes:
     prompt_len: int
     new_tokens: int
     engine: dict  # EngineConfig options of the engines of parts 3 and 4 (smoke: two small buckets)
+    profile_batches: tuple[int, ...]  # decode batches of part 4 that are also profiled
 
 
 def sizes(smoke: bool) -> Sizes:
@@ -76,10 +82,10 @@ def sizes(smoke: bool) -> Sizes:
         tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
         return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8,
-                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)})
+                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)}, (4,))
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
-                 1024, 128, {"max_num_batched_tokens": 2048})
+                 1024, 128, {"max_num_batched_tokens": 2048}, (1, 32, 256))
 
 
 def device_profile() -> Device | None:
@@ -139,7 +145,39 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
         gbs = kv_bytes / sec / 1e9
         rows.append({"case": name, "ms": sec * 1e3, "kv_GB_s": gbs,
                      "fraction_of_peak": gbs * 1e9 / device.hbm_bytes_per_s if device else None})
-    return {"ok": True, "kernel": kernels.attention, "rows": rows}
+    out = {"ok": True, "kernel": kernels.attention, "rows": rows}
+    if kernels.attention == "pallas_gpu":
+        out["sweep"] = sweep_gpu_blocks(s, device)
+    return out
+
+
+def sweep_gpu_blocks(s: Sizes, device: Device | None, interpret: bool = False) -> list[dict]:
+    """The GPU kernel's decode block sizes tried on the decode shapes: the table's choice and its neighbours
+    (tokens per iteration, warps, pipeline stages, KV splits), each timed like the rows above."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    rows = []
+    h, kvh, d = s.heads
+    for n, ctx in s.decode_shapes:
+        q, _, k, v, meta = random_paged_batch([(1, ctx)] * n, s.heads, s.page_size, jnp.bfloat16)
+        max_pages = meta.block_tables.shape[1]
+        base = gpu.block_sizes(n, n, kvh, h // kvh, d, s.page_size, max_pages)
+        variants = {dataclasses.replace(base, tokens_per_iter=t, num_warps=w) for t in (64, 128, 256) for w in (4, 8)}
+        variants |= {dataclasses.replace(base, num_stages=st) for st in (1, 3)}
+        variants |= {dataclasses.replace(base, num_splits=x) for x in (1, 2, 4, 8, 16)}
+        kv_bytes = n * ctx * 2 * kvh * d * 2
+        for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
+            fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes,
+                                           interpret=interpret))
+            try:
+                sec = _timed(fn, q, k, v, meta.kv_lens, meta.block_tables, meta.query_start_loc)
+            except Exception as e:  # noqa: BLE001 (a variant the compiler rejects is recorded, not fatal)
+                rows.append({"case": f"{n} x {ctx}", **dataclasses.asdict(sizes), "error": str(e)[:200]})
+                continue
+            gbs = kv_bytes / sec / 1e9
+            rows.append({"case": f"{n} x {ctx}", **dataclasses.asdict(sizes), "table": sizes == base,
+                         "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
+                         "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
+    return rows
 
 
 CPU_REFERENCE = """
@@ -148,36 +186,48 @@ from jaxllm import LLM, SamplingParams
 options = json.loads(sys.argv[3])
 options["token_buckets"] = tuple(options["token_buckets"]) if "token_buckets" in options else None
 # the reference kernels: the CPU kernels' FFI guard refuses a jaxlib it was not checked against
-llm = LLM(dtype="float32", attn_impl="reference", matmul_impl="reference", max_num_seqs=16, max_model_len=512,
-          num_pages=16 * 32 + 8, **options)
+llm = LLM(options.pop("model"), dtype="float32", attn_impl="reference", matmul_impl="reference", max_num_seqs=16,
+          max_model_len=512, num_pages=16 * 32 + 8, **options)
 outs = llm.generate([{"prompt_token_ids": p} for p in json.loads(sys.argv[1])],
                     SamplingParams(temperature=0, max_tokens=int(sys.argv[2]), ignore_eos=True), use_tqdm=False)
 print(json.dumps([o.outputs[0].token_ids for o in outs]))
 """
 
 
-def part_engine_agreement(s: Sizes, dtype: str) -> dict:
-    # 16 sequences of up to 512 tokens in 16-token pages
-    llm = LLM(dtype=dtype, max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8, **s.engine)
-    tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in PROMPTS[:s.prompts]]
-    params = SamplingParams(temperature=0, max_tokens=s.engine_tokens, ignore_eos=True)
-    before = compile_monitor.snapshot()
-    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                          use_tqdm=False)]
-    recompiles = compile_monitor.snapshot()["compiles"] - before["compiles"]
+def part_engine_agreement(s: Sizes, dtypes: list[str], model: str | None) -> dict:
+    """Greedy tokens of the engine on this device in each of `dtypes` against the float32 CPU engine (one run):
+    float32 must be identical; bfloat16 is reported (rounding moves near-ties)."""
+    rows, recompiles, prompts, ok = [], 0, None, True
+    outputs = {}
+    for dtype in dtypes:
+        # 16 sequences of up to 512 tokens in 16-token pages
+        llm = LLM(model, dtype=dtype, max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8, **s.engine)
+        if prompts is None:
+            tok = llm.get_tokenizer()
+            prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+                       for p in PROMPTS[:s.prompts]]
+        params = SamplingParams(temperature=0, max_tokens=s.engine_tokens, ignore_eos=True)
+        before = compile_monitor.snapshot()
+        outputs[dtype] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                        params, use_tqdm=False)]
+        recompiles += compile_monitor.snapshot()["compiles"] - before["compiles"]
+        del llm
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", CPU_REFERENCE, json.dumps(prompts), str(s.engine_tokens),
-                          json.dumps(s.engine)],
+                          json.dumps({"model": model, **s.engine})],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the CPU engine failed ({out.returncode}): {out.stderr[-3000:]}")
     cpu = json.loads(out.stdout.strip().splitlines()[-1])
-    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None) for x, y in zip(ours, cpu,
-                                                                                                       strict=True)]
-    agree = sum(f is None for f in first)
-    return {"ok": recompiles == 0, "prompts": len(prompts), "identical": agree, "first_divergence": first,
+    for dtype, ours in outputs.items():
+        first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), None)
+                 for x, y in zip(ours, cpu, strict=True)]
+        identical = sum(f is None for f in first)
+        exact = jnp.dtype(dtype) == jnp.float32
+        ok &= identical == len(prompts) or not exact
+        rows.append({"dtype": dtype, "prompts": len(prompts), "identical": identical,
+                     "must_be_identical": bool(exact), "first_divergence": str(first)})
+    return {"ok": ok and recompiles == 0, "model": model or "embedded SmolLM2", "rows": rows,
             "recompiles_while_running": recompiles}
 
 
@@ -194,7 +244,7 @@ def random_stacked_model(cfg: ModelConfig) -> LlamaForCausalLM:
                                                                                                         strict=True)]))
 
 
-def part_roofline(s: Sizes, device: Device | None) -> dict:
+def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None) -> dict:
     cfg = s.model
     model = random_stacked_model(cfg)
     stats = jax.devices()[0].memory_stats() or {}  # None on CPU
@@ -206,7 +256,7 @@ def part_roofline(s: Sizes, device: Device | None) -> dict:
     llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_model_len=max_len,
               num_pages=top * -(-max_len // 16) + 8, **s.engine)
     rng = np.random.default_rng(0)
-    rows, recompiles = [], 0
+    rows, recompiles, profiles = [], 0, {}
     for batch in s.batches:
         prompts = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()} for _ in range(batch)]
         before = compile_monitor.snapshot()["compiles"]
@@ -232,10 +282,42 @@ def part_roofline(s: Sizes, device: Device | None) -> dict:
             row |= {"decode_roofline_tok_s": roof, "decode_fraction": decode_tok_s / roof,
                     "prefill_fraction": (flops / prefill_s) / device.bf16_flops}
         rows.append(row)
+        if batch in s.profile_batches and profile_dir is not None:
+            profiles[f"decode {batch}"] = _profile_decode(llm, prompts, batch, Path(profile_dir) / f"decode{batch}")
+    if profile_dir is not None:
+        fresh = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()}
+                 for _ in range(max(1, s.engine["max_num_batched_tokens"] // s.prompt_len))]
+        profiles["prefill"] = _profile_prefill(llm, fresh, Path(profile_dir) / "prefill")
     stats = jax.devices()[0].memory_stats() or {}
     in_use |= {k: v / 1e9 for k, v in stats.items() if k in ("peak_bytes_in_use", "bytes_limit")}
     return {"ok": recompiles == 0, "recompiles_while_running": recompiles, "weight_GB": weight_bytes / 1e9,
-            "memory_GB": in_use, "rows": rows}
+            "memory_GB": in_use, "rows": rows, "profiles": profiles}
+
+
+def _runner(llm: LLM):
+    return llm.engine.runner
+
+
+def _profile_decode(llm: LLM, prompts: list[dict], batch: int, logdir: Path) -> dict:
+    """The device profile of decode steps at `batch` (prompts already in the prefix cache: every step is the
+    decode bucket's)."""
+    runner = _runner(llm)
+    bucket = runner.bucket_for(batch, batch)
+    params = SamplingParams(temperature=0, max_tokens=PROFILE_STEPS, ignore_eos=True)
+    out = kernel_profile.profile(lambda: llm.generate(prompts, params, use_tqdm=False), logdir,
+                                 [runner.build(bucket).as_text()])
+    return {"bucket": str(bucket), **out}
+
+
+def _profile_prefill(llm: LLM, prompts: list[dict], logdir: Path) -> dict:
+    """The device profile of prefill steps: new prompts filling the token budget, one token each."""
+    runner = _runner(llm)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+    bucket = runner.bucket_for(min(tokens, llm.engine.config.max_num_batched_tokens), len(prompts))
+    out = kernel_profile.profile(lambda: llm.generate(prompts, params, use_tqdm=False), logdir,
+                                 [runner.build(bucket).as_text()])
+    return {"bucket": str(bucket), **out}
 
 
 def to_markdown(report: dict) -> str:
@@ -249,12 +331,34 @@ def to_markdown(report: dict) -> str:
             for r in rows:
                 lines.append("| " + " | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in r.values())
                              + " |")
-        rest = {k: v for k, v in part.items() if k not in ("rows", "ok")}
+        tables = {k: v for k, v in part.items() if k != "rows" and isinstance(v, list) and v
+                  and all(isinstance(r, dict) for r in v)}
+        rest = {k: v for k, v in part.items() if k not in ("rows", "ok", "profiles", *tables)}
         if rest:
             lines.append("")
             lines.append(", ".join(f"{k}: {v}" for k, v in rest.items()))
         lines.append("")
+        for key, table in tables.items():
+            keys = list(dict.fromkeys(k for r in table for k in r))
+            lines += [f"### {key}", "", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+            lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in table] + [""]
+        for case, prof in part.get("profiles", {}).items():
+            lines += _profile_markdown(case, prof)
     return "\n".join(lines)
+
+
+def _profile_markdown(case: str, prof: dict) -> list[str]:
+    lines = [f"### profile: {case}", ""]
+    if "error" in prof:
+        return lines + [f"error: {prof['error']}", ""]
+    lines.append(f"bucket {prof['bucket']}, {prof['steps']} steps: {prof['step_ms']} ms a step, device busy "
+                 f"{prof['busy_ms']} ms, idle {prof['idle_ms']} ms, {prof['launches_per_step']} kernels a step "
+                 f"({prof['annotated']:.0%} matched to the program)")
+    lines += ["", "| kind | ms a step |", "|---|---|"] + [f"| {k} | {v} |" for k, v in prof["kinds_ms"].items()]
+    keys = list(prof["top"][0]) if prof["top"] else []
+    lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in prof["top"]]
+    return lines + [""]
 
 
 def main() -> None:
@@ -262,19 +366,27 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever backend this is")
     p.add_argument("--out", default="out/device_check")
     p.add_argument("--parts", default="1234", help="which parts to run, e.g. 14")
-    p.add_argument("--engine-dtype", default="bfloat16", help="part 3's dtype on this device (float32: exactness)")
+    p.add_argument("--engine-dtypes", default="float32,bfloat16",
+                   help="part 3's dtypes on this device (float32 must be identical to the CPU engine)")
+    p.add_argument("--model", help="part 3's model (default: the embedded SmolLM2; a lent GPU host gets a cut copy, "
+                                   "benchmarks/truncate_gguf.py)")
+    p.add_argument("--no-profile", action="store_true", help="part 4 without its device profiles")
+    p.add_argument("--traces", help="where part 4's profiler traces go (default: OUT/traces)")
     args = p.parse_args()
     compile_monitor.install()
     s = sizes(args.smoke)
     device = device_profile()
+    import flax
     report = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "smoke": args.smoke,
+              "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__},
               "parts": {}}
     parts = {"1 kernel parity": lambda: part_parity(s),
              "2 attention speed": lambda: part_attention_speed(s, device),
-             f"3 engine agreement (SmolLM2 {args.engine_dtype} vs CPU float32)":
-                 lambda: part_engine_agreement(s, args.engine_dtype),
-             "4 8B-shaped roofline": lambda: part_roofline(s, device)}
-    for name, run in parts.items():
+             "3 engine agreement (this device vs the CPU engine, greedy)":
+                 lambda: part_engine_agreement(s, args.engine_dtypes.split(","), args.model),
+             "4 8B-shaped roofline": lambda: part_roofline(s, device,
+                                                            None if args.no_profile else args.traces or f"{args.out}/traces")}
+    for name, run in sorted(parts.items(), key=lambda kv: args.parts.find(kv[0][0])):  # in --parts' order
         if name[0] not in args.parts:
             continue
         start = time.perf_counter()

@@ -42,6 +42,7 @@ def allocate_kv_cache(num_layers: int, num_kv_heads: int, num_pages: int, page_s
     return make(), make()
 
 
+@jax.named_scope("kv_write")
 def write_kv(k_cache: jax.Array, v_cache: jax.Array, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """k_cache/v_cache [kv_heads, num_pages, page_size, head_dim]; k/v [T, kv_heads, head_dim];

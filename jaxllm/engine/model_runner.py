@@ -45,20 +45,25 @@ UINT32 = 1 << 32
 def _step(graphdef, state_def, generates, pools, params, caches, ids, positions, meta, logit_rows, sampling,
           prompt_targets, images=None):
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
-    if images is None:
-        hidden, caches = model.forward_paged(ids, positions, caches, meta)
-    else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
-        hidden, caches = model.forward_paged(ids, positions, caches, meta, image_embeds=images)
+    # named scopes reach the compiled program's op metadata: a device profile sorts kernels by them
+    with jax.named_scope("model"):
+        if images is None:
+            hidden, caches = model.forward_paged(ids, positions, caches, meta)
+        else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
+            hidden, caches = model.forward_paged(ids, positions, caches, meta, image_embeds=images)
     s = logit_rows.shape[0]
     if generates:
-        logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
-        tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
+        with jax.named_scope("logits"):
+            logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
+        with jax.named_scope("sampler"):
+            tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
         bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
         # [S, 3 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of five
         packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
                                   bits(top_logprobs)], axis=1)
         # [T, prompt_logprobs.width] i32: each prompt row's logprob of the next prompt token (a step with none: zeros)
-        prompt = prompt_logprobs.compute(model.logits, hidden, prompt_targets, model.config.vocab_size)
+        with jax.named_scope("prompt_logprobs"):
+            prompt = prompt_logprobs.compute(model.logits, hidden, prompt_targets, model.config.vocab_size)
     else:  # a model that only pools
         tokens = jnp.zeros((s,), jnp.int32)
         packed = jnp.zeros((s, 3 + 2 * MAX_LOGPROBS), jnp.int32)
