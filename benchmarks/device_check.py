@@ -51,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_profile as kernel_profile  # noqa: E402 (beside this script)
 from paged_batch import random_paged_batch  # noqa: E402
 
+T0 = time.perf_counter()
+DEADLINE = float("inf")  # (perf_counter) past it, no part starts and part 4 takes no more profiles: --budget-s
 PROFILE_STEPS = 9  # traced steps a decode profile covers (the first recomputes each cached prompt's last token)
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
@@ -73,7 +75,8 @@ class Sizes:
     batches: tuple[int, ...]
     prompt_len: int
     new_tokens: int
-    engine: dict  # EngineConfig options of the engines of parts 3 and 4 (smoke: two small buckets)
+    engine: dict  # EngineConfig options of part 4's engine (only the buckets it runs: each is a long compile)
+    agreement_engine: dict  # part 3's
     profile_batches: tuple[int, ...]  # decode batches of part 4 that are also profiled
 
 
@@ -82,10 +85,12 @@ def sizes(smoke: bool) -> Sizes:
         tiny = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=64, intermediate_size=128,
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
         return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8,
+                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)},
                      {"max_num_batched_tokens": 64, "token_buckets": (4, 64)}, (4,))
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
-                 1024, 128, {"max_num_batched_tokens": 2048}, (1, 32, 256))
+                 1024, 128, {"max_num_batched_tokens": 2048, "token_buckets": (1, 32, 128, 256, 2048)},
+                 {"max_num_batched_tokens": 1024, "token_buckets": (16, 1024)}, (1, 32, 256))
 
 
 def device_profile() -> Device | None:
@@ -135,8 +140,9 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
     kernels = choose_kernels(dtype=jnp.bfloat16)
     rows = []
     cases = [(f"decode {n} x {ctx}", [(1, ctx)] * n) for n, ctx in s.decode_shapes] + [("mixed", list(s.mixed))]
+    batches = {}
     for name, seqs in cases:
-        q, new, k, v, meta = random_paged_batch(seqs, s.heads, s.page_size, jnp.bfloat16)
+        q, new, k, v, meta = batches[name] = random_paged_batch(seqs, s.heads, s.page_size, jnp.bfloat16)
         no_slots = jnp.full_like(meta.slot_mapping, -1)  # the timing is the attention's, not the cache write's
         fn = jax.jit(lambda q, new, k, v, m, slots: attention_kernel(kernels)(
             q, new, new, k, v, slots, m.kv_lens, m.block_tables, m.query_start_loc, sm_scale=0.1)[0])
@@ -147,23 +153,28 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
                      "fraction_of_peak": gbs * 1e9 / device.hbm_bytes_per_s if device else None})
     out = {"ok": True, "kernel": kernels.attention, "rows": rows}
     if kernels.attention == "pallas_gpu":
-        out["sweep"] = sweep_gpu_blocks(s, device)
+        out["sweep"] = sweep_gpu_blocks(s, device, batches)
     return out
 
 
-def sweep_gpu_blocks(s: Sizes, device: Device | None, interpret: bool = False) -> list[dict]:
-    """The GPU kernel's decode block sizes tried on the decode shapes: the table's choice and its neighbours
-    (tokens per iteration, warps, pipeline stages, KV splits), each timed like the rows above."""
+def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: bool = False) -> list[dict]:
+    """The GPU kernel's decode block sizes tried on the decode shapes (`batches`: part 2's, by case name): the
+    table's choice and its neighbours (KV splits on the smaller batch; tokens per iteration, warps and pipeline
+    stages on the larger), each timed like part 2's rows."""
     from pallas_kernels.ragged_paged_attention import gpu
     rows = []
     h, kvh, d = s.heads
-    for n, ctx in s.decode_shapes:
-        q, _, k, v, meta = random_paged_batch([(1, ctx)] * n, s.heads, s.page_size, jnp.bfloat16)
+    for i, (n, ctx) in enumerate(s.decode_shapes):
+        q, _, k, v, meta = batches[f"decode {n} x {ctx}"]
         max_pages = meta.block_tables.shape[1]
         base = gpu.block_sizes(n, n, kvh, h // kvh, d, s.page_size, max_pages)
-        variants = {dataclasses.replace(base, tokens_per_iter=t, num_warps=w) for t in (64, 128, 256) for w in (4, 8)}
-        variants |= {dataclasses.replace(base, num_stages=st) for st in (1, 3)}
-        variants |= {dataclasses.replace(base, num_splits=x) for x in (1, 2, 4, 8, 16)}
+        if i == 0:
+            variants = {dataclasses.replace(base, num_splits=x) for x in (1, 2, 4, 8, 16)}
+        else:
+            variants = {dataclasses.replace(base, tokens_per_iter=t, num_warps=w) for t in (64, 128, 256)
+                        for w in (4, 8)}
+            variants |= {dataclasses.replace(base, num_stages=st) for st in (1, 3)}
+        variants.add(base)
         kv_bytes = n * ctx * 2 * kvh * d * 2
         for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
             fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes,
@@ -201,7 +212,8 @@ def part_engine_agreement(s: Sizes, dtypes: list[str], model: str | None) -> dic
     outputs = {}
     for dtype in dtypes:
         # 16 sequences of up to 512 tokens in 16-token pages
-        llm = LLM(model, dtype=dtype, max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8, **s.engine)
+        llm = LLM(model, dtype=dtype, max_num_seqs=16, max_model_len=512, num_pages=16 * 32 + 8,
+                  **s.agreement_engine)
         if prompts is None:
             tok = llm.get_tokenizer()
             prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
@@ -214,7 +226,7 @@ def part_engine_agreement(s: Sizes, dtypes: list[str], model: str | None) -> dic
         del llm
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "-c", CPU_REFERENCE, json.dumps(prompts), str(s.engine_tokens),
-                          json.dumps({"model": model, **s.engine})],
+                          json.dumps({"model": model, **s.agreement_engine})],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         raise RuntimeError(f"the CPU engine failed ({out.returncode}): {out.stderr[-3000:]}")
@@ -244,7 +256,12 @@ def random_stacked_model(cfg: ModelConfig) -> LlamaForCausalLM:
                                                                                                         strict=True)]))
 
 
-def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None) -> dict:
+def _log(message: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f} s] {message}", flush=True)
+
+
+def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save=lambda part: None) -> dict:
+    """Timings first (each row saved as it lands), then the profiles while the deadline allows."""
     cfg = s.model
     model = random_stacked_model(cfg)
     stats = jax.devices()[0].memory_stats() or {}  # None on CPU
@@ -253,12 +270,18 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None) -> d
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     top = max(s.batches)
     max_len = s.prompt_len + s.new_tokens + 16
+    _log("8B model made; building the engine")
     llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_model_len=max_len,
               num_pages=top * -(-max_len // 16) + 8, **s.engine)
+    startup = llm.engine.startup
+    part = {"ok": False, "weight_GB": weight_bytes / 1e9, "startup": startup.summary(), "rows": [], "profiles": {}}
+    _log(f"engine built: {startup.summary()}")
+    save(part)
     rng = np.random.default_rng(0)
-    rows, recompiles, profiles = [], 0, {}
+    rows, recompiles, prompts_of = part["rows"], 0, {}
     for batch in s.batches:
         prompts = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()} for _ in range(batch)]
+        prompts_of[batch] = prompts
         before = compile_monitor.snapshot()["compiles"]
         one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         many = SamplingParams(temperature=0, max_tokens=s.new_tokens, ignore_eos=True)
@@ -282,16 +305,28 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None) -> d
             row |= {"decode_roofline_tok_s": roof, "decode_fraction": decode_tok_s / roof,
                     "prefill_fraction": (flops / prefill_s) / device.bf16_flops}
         rows.append(row)
-        if batch in s.profile_batches and profile_dir is not None:
-            profiles[f"decode {batch}"] = _profile_decode(llm, prompts, batch, Path(profile_dir) / f"decode{batch}")
+        part |= {"ok": recompiles == 0, "recompiles_while_running": recompiles}
+        _log(f"batch {batch}: {row}")
+        save(part)
     if profile_dir is not None:
-        fresh = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()}
-                 for _ in range(max(1, s.engine["max_num_batched_tokens"] // s.prompt_len))]
-        profiles["prefill"] = _profile_prefill(llm, fresh, Path(profile_dir) / "prefill")
+        for batch in s.profile_batches:
+            if time.perf_counter() > DEADLINE:
+                break
+            # re-cached first (a later batch may have evicted these prompts): every traced step is a decode step
+            llm.generate(prompts_of[batch], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+            part["profiles"][f"decode {batch}"] = _profile_decode(llm, prompts_of[batch], batch,
+                                                                  Path(profile_dir) / f"decode{batch}")
+            _log(f"profiled decode {batch}")
+            save(part)
+        if time.perf_counter() < DEADLINE:
+            fresh = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()}
+                     for _ in range(max(1, s.engine["max_num_batched_tokens"] // s.prompt_len))]
+            part["profiles"]["prefill"] = _profile_prefill(llm, fresh, Path(profile_dir) / "prefill")
+            _log("profiled prefill")
     stats = jax.devices()[0].memory_stats() or {}
     in_use |= {k: v / 1e9 for k, v in stats.items() if k in ("peak_bytes_in_use", "bytes_limit")}
-    return {"ok": recompiles == 0, "recompiles_while_running": recompiles, "weight_GB": weight_bytes / 1e9,
-            "memory_GB": in_use, "rows": rows, "profiles": profiles}
+    part["memory_GB"] = in_use
+    return part
 
 
 def _runner(llm: LLM):
@@ -372,7 +407,11 @@ def main() -> None:
                                    "benchmarks/truncate_gguf.py)")
     p.add_argument("--no-profile", action="store_true", help="part 4 without its device profiles")
     p.add_argument("--traces", help="where part 4's profiler traces go (default: OUT/traces)")
+    p.add_argument("--budget-s", type=float, help="seconds after which no part starts (a lent host's time limit)")
     args = p.parse_args()
+    global DEADLINE
+    if args.budget_s:
+        DEADLINE = T0 + args.budget_s
     compile_monitor.install()
     s = sizes(args.smoke)
     device = device_profile()
@@ -384,11 +423,23 @@ def main() -> None:
              "2 attention speed": lambda: part_attention_speed(s, device),
              "3 engine agreement (this device vs the CPU engine, greedy)":
                  lambda: part_engine_agreement(s, args.engine_dtypes.split(","), args.model),
-             "4 8B-shaped roofline": lambda: part_roofline(s, device,
-                                                            None if args.no_profile else args.traces or f"{args.out}/traces")}
+             "4 8B-shaped roofline": lambda: part_roofline(
+                 s, device, None if args.no_profile else args.traces or f"{args.out}/traces",
+                 lambda part: write(report | {"parts": report["parts"] | {"4 8B-shaped roofline": part}}))}
+    out = Path(args.out)
+
+    def write(r: dict) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "device_check.json").write_text(json.dumps(r, indent=1))
+        (out / "device_check.md").write_text(to_markdown(r))
+
     for name, run in sorted(parts.items(), key=lambda kv: args.parts.find(kv[0][0])):  # in --parts' order
         if name[0] not in args.parts:
             continue
+        if time.perf_counter() > DEADLINE:
+            report["parts"][name] = {"ok": False, "error": "skipped: --budget-s spent"}
+            continue
+        _log(f"{name}: starting")
         start = time.perf_counter()
         try:
             report["parts"][name] = run()
@@ -398,11 +449,7 @@ def main() -> None:
         report["parts"][name]["seconds"] = round(time.perf_counter() - start, 1)
         print(f"{name}: {'ok' if report['parts'][name]['ok'] else 'FAILED'} "
               f"({report['parts'][name]['seconds']} s)", flush=True)
-        # written after every part: a host that cuts the run short still leaves the parts already done
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "device_check.json").write_text(json.dumps(report, indent=1))
-        (out / "device_check.md").write_text(to_markdown(report))
+        write(report)  # after every part: a host that cuts the run short still leaves the parts already done
     print(to_markdown(report))
     sys.exit(0 if all(part["ok"] for part in report["parts"].values()) else 1)
 
