@@ -91,14 +91,19 @@ def hlo_ops(text: str) -> dict[str, OpInfo]:
     bytes a launch."""
     from hlo_traffic import analyze, parse_module
     comps = parse_module(text)
-    scope = {ins.name: (m.group(1) if (m := _OP_NAME.search(ins.attrs)) else "")
-             for comp in comps.values() for ins in comp.instrs}
+    instrs = {ins.name: ins for comp in comps.values() for ins in comp.instrs}
+    scope = {name: (m.group(1) if (m := _OP_NAME.search(ins.attrs)) else "") for name, ins in instrs.items()}
+
+    def has_dot(name: str) -> bool:  # a fusion around a dot (XLA:CPU's library fusions; GEMMs carry `gemm`)
+        called = instrs[name].attr("calls") if name in instrs else None
+        return called in comps and any(i.opcode in ("dot", "convolution") for i in comps[called].instrs)
+
     out = {}
     for k in analyze(text).kernels:
         name = scope.get(k.name, "")
-        if k.gemm or k.kind in ("dot", "convolution"):
+        if k.gemm or k.kind in ("dot", "convolution") or has_dot(k.name):
             kind = "matmul"
-        elif "ragged_paged_attention" in name or ("triton" in k.kind and "kv_write" not in name):
+        elif "attention" in name or "attention" in k.kind or ("triton" in k.kind and "kv_write" not in name):
             kind = "attention"
         elif "kv_write" in name:
             kind = "kv_write"

@@ -33,6 +33,7 @@ MOVES = {"dynamic-slice", "slice", "copy", "transpose", "bitcast", "reshape"}  #
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s+\((.*)\)\s+->\s+(.*)\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
+_METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
 
 
 def _dtype_bytes(dtype: str) -> float:
@@ -330,6 +331,36 @@ def summary(report: Report, min_bytes: int = 1 << 20) -> dict:
     return {"bytes": report.bytes, "launches": report.launches, "moves": list(groups.values()),
             "sorts": sum(k.count for k in report.kernels if k.sort),
             "conditionals": report.conditionals, "unknown_trip_counts": report.unknown_loops}
+
+
+def _canonical(comp: Computation, comps: dict[str, Computation]) -> str:
+    """A computation's text without its names (operands by position, metadata dropped, called computations by
+    their own canonical text): equal for two fusions that compile to the same kernel."""
+    at = {ins.name: i for i, ins in enumerate(comp.instrs)}
+    lines = []
+    for ins in comp.instrs:
+        attrs = _METADATA.sub("", ins.attrs)
+        attrs = re.sub(r"(calls|to_apply)=%?([\w.\-]+)",
+                       lambda m: f"{m.group(1)}=({_canonical(comps[m.group(2)], comps)})" if m.group(2) in comps
+                       else m.group(0), attrs)
+        operands = ",".join(str(at.get(o, o)) for o in ins.operands)
+        lines.append(f"{'ROOT ' if ins.root else ''}{' '.join(map(str, ins.shape))} {ins.opcode}({operands}){attrs}")
+    return "\n".join(lines)
+
+
+def gemm_fusions(text: str) -> tuple[int, int]:
+    """(GEMM kernels in the module, distinct ones among them): XLA:GPU compiles, and autotunes, each distinct GEMM
+    fusion once (its cache keys on the fused computation), so the second number is that work."""
+    comps = parse_module(text)
+    bodies = []
+    for comp in comps.values():
+        for ins in comp.instrs:
+            gemm = "gemm" in ins.attrs or "cublas" in ins.attrs
+            if ins.opcode == "fusion" and gemm and ins.attr("calls") in comps:
+                bodies.append(_canonical(comps[ins.attr("calls")], comps))
+            elif ins.opcode == "custom-call" and gemm:
+                bodies.append(" ".join(map(str, ins.shape)) + _METADATA.sub("", ins.attrs))
+    return len(bodies), len(set(bodies))
 
 
 if __name__ == "__main__":

@@ -21,8 +21,17 @@ def test_the_smoke_run_passes_every_part(tmp_path):
     parity = parts["1 kernel parity"]["rows"]
     assert {r["dtype"] for r in parity} == {"float32", "bfloat16"} and all(r["ok"] for r in parity)
     assert any(r["kernel"] == "cpu" for r in parity)  # the native kernel of this platform was checked
-    agreement = parts["3 engine agreement (SmolLM2 bfloat16 vs CPU float32)"]
-    assert agreement["recompiles_while_running"] == 0 and agreement["prompts"] == 2
+    agreement = parts["3 engine agreement (this device vs the CPU engine, greedy)"]
+    assert agreement["recompiles_while_running"] == 0
+    assert [(r["dtype"], r["prompts"]) for r in agreement["rows"]] == [("float32", 2), ("bfloat16", 2)]
+    assert agreement["rows"][0]["identical"] == 2  # float32 here is the CPU engine's own arithmetic
     roofline = parts["4 8B-shaped roofline"]
     assert roofline["recompiles_while_running"] == 0 and all(r["decode_tok_s"] > 0 for r in roofline["rows"])
-    assert "## 4 8B-shaped roofline: ok" in (tmp_path / "device_check.md").read_text()
+    # the profile of decode steps: every traced kernel placed, the step's time split by kind
+    profile = roofline["profiles"]["decode 4"]
+    assert profile["steps"] >= 1 and profile["annotated"] > 0.9, profile
+    assert profile["busy_ms"] > 0 and abs(sum(profile["kinds_ms"].values()) - profile["busy_ms"]) < profile["busy_ms"]
+    assert {"attention", "matmul"} <= set(profile["kinds_ms"]), profile
+    assert "prefill" in roofline["profiles"]
+    text = (tmp_path / "device_check.md").read_text()
+    assert "## 4 8B-shaped roofline: ok" in text and "### profile: decode 4" in text

@@ -17,7 +17,7 @@ from jaxllm.engine.sampler import sample
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from hlo_traffic import analyze, parse_shape, summary  # noqa: E402
+from hlo_traffic import analyze, gemm_fusions, parse_shape, summary  # noqa: E402
 
 F32 = jnp.float32
 
@@ -57,6 +57,34 @@ def test_an_in_place_update_costs_the_update_only():
     assert summary(report)["moves"] == []
 
 
+def _gemm_module(offsets: list[int]) -> str:
+    """An XLA:GPU-style module: one GEMM fusion per offset, each reading that static slice of a stacked weight."""
+    def fused(i, lo):
+        n = f"gemm_fusion.{i}"
+        return f"""%{n} (w.{i}: bf16[4,8,8], x.{i}: bf16[2,8]) -> bf16[2,8] {{
+  %w.{i} = bf16[4,8,8]{{2,1,0}} parameter(0)
+  %s.{i} = bf16[1,8,8]{{2,1,0}} slice(%w.{i}), slice={{[{lo}:{lo + 1}], [0:8], [0:8]}}
+  %b.{i} = bf16[8,8]{{1,0}} bitcast(%s.{i})
+  %x.{i} = bf16[2,8]{{1,0}} parameter(1)
+  ROOT %d.{i} = bf16[2,8]{{1,0}} dot(%x.{i}, %b.{i}), lhs_contracting_dims={{1}}, rhs_contracting_dims={{1}}, \
+metadata={{op_name="jit(f)/layer{i}"}}
+}}
+"""
+    calls = "\n".join(f"  %f{i} = bf16[2,8]{{1,0}} fusion(%w, %x), kind=kCustom, calls=%gemm_fusion.{i}, "
+                      f'backend_config={{"fusion_backend_config":{{"kind":"__triton_gemm"}}}}'
+                      for i in range(len(offsets)))
+    return (f"HloModule m\n\n{''.join(fused(i, lo) for i, lo in enumerate(offsets))}\n"
+            f"ENTRY %main (w: bf16[4,8,8], x: bf16[2,8]) -> bf16[2,8] {{\n  %w = bf16[4,8,8]{{2,1,0}} parameter(0)\n"
+            f"  %x = bf16[2,8]{{1,0}} parameter(1)\n{calls}\n  ROOT %t = bf16[2,8]{{1,0}} add(%f0, %f1)\n}}\n")
+
+
+def test_gemm_fusions_that_differ_only_in_names_are_one():
+    """What XLA:GPU compiles and autotunes once: fusions equal but for their names and metadata; static slices at
+    other offsets (the layers of a stack) are distinct."""
+    assert gemm_fusions(_gemm_module([0, 0, 0])) == (3, 1)
+    assert gemm_fusions(_gemm_module([0, 1, 2])) == (3, 3)
+
+
 def test_the_samplers_greedy_path_has_no_sort():
     """The vocabulary sort (top-k/top-p) sits only in the branch a sampling row takes: the cheapest path through
     the program's conditionals (a greedy step) has none, though the program holds one."""
@@ -91,8 +119,16 @@ def test_the_8b_step_compiled_for_an_h100_reads_each_weight_once(tmp_path):
     assert after["layer_loop"] == "unrolled" and after["verdict"]["ok"]
     for row in after["rows"]:
         assert row["weight_slices"] == 0 and row["sorts_on_greedy_path"] == 0, row
+        assert row["distinct_gemm_fusions"] <= 16 < row["gemm_kernels"], row  # each weight's GEMM once, not per layer
         if row["decode"]:
             assert row["ratio"] <= 1.15, row
+    # ...which fails for the stacked layers unrolled: each layer's GEMMs read other static slices of the stacks
+    run = subprocess.run([_cuda_python(), "benchmarks/gpu_hlo_report.py", "--buckets", "1x1", "--layout", "stacked",
+                          "--json", str(tmp_path / "stacked.json")], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "stacked.json").read_text())["rows"]
+    assert row["weight_slices"] == 0 and row["distinct_gemm_fusions"] > 4 * 32, row
     # The check can fail: the scanned layer loop copies every layer's weights out before its GEMMs.
     run = subprocess.run([_cuda_python(), "benchmarks/gpu_hlo_report.py", "--buckets", "1x1", "--layer-loop", "scan",
                           "--json", str(tmp_path / "before.json")], cwd=ROOT, env=env, capture_output=True, text=True,

@@ -105,6 +105,9 @@ class LLMEngine:
             model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
         else:
             mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
+        if hasattr(model, "arrange_layers") and model.kernels.layer_loop == "unrolled":
+            model.arrange_layers()  # separate layers on GPU, as loads are (a model passed in that a caller edits
+            # as separate layers on CPU is left as it is)
         self.model, self.tokenizer = model, tokenizer
         self.model_name = config.served_model_name or name
         cfg = model.config

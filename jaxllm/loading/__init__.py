@@ -135,7 +135,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         if quantization not in ("auto", "none"):
             raise LoadError(f"{p}: vision-language models load with float weights")
         model = load_qwen_vl(p, dtype=dt, kernels=kernels, mesh=mesh, read_stats=read)
-        model.language.stack_layers()
+        model.arrange_layers()
         cfg, plan = model.config, {}
     else:
         cfg = load_hf_config(p)
@@ -144,7 +144,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan,
                                read_stats=read)
     if isinstance(model, LlamaForCausalLM):
-        model.stack_layers()  # GGUF and HF loads arrive stacked; an orbax restore (saved layer by layer) stacks here
+        # GGUF and HF loads arrive stacked, an orbax restore layer by layer: as the layer loop runs them from here
+        model.arrange_layers()
     if load_tokenizer_too and tokenizer is None and p.is_dir() and (p / "tokenizer.json").is_file():
         tokenizer = tokenizer_from_hf_folder(p, cfg.eos_token_ids)
     name = resolved.name

@@ -138,6 +138,9 @@ class QwenVLForConditionalGeneration(nnx.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         return self.language.logits(hidden)
 
+    def arrange_layers(self) -> None:
+        self.language.arrange_layers()
+
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache, metadata,
                       image_embeds: jax.Array | None = None):
         """The engine's step: input_ids [T], positions [3, T], image_embeds [levels, T, E]: column i holds token i's

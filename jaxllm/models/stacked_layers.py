@@ -1,13 +1,14 @@
 """Decoder layers that share one structure, kept as one layer module whose parameters carry a leading
-``[num_layers]`` axis and run with `jax.lax.scan`, or unrolled over static slices of the stacks.
+``[num_layers]`` axis and run with `jax.lax.scan` (or unrolled over static slices of the stacks).
 
 Scanned, tracing, lowering and compiling a step handle one layer instead of every layer (the cost of a bucket's
 build stops growing with depth), and a step passes one stacked array per kind of weight instead of one per
-layer. Unrolled (what the kernel choice asks for on GPU: `Kernels.layer_loop`), each layer's weights are static
-slices of the stacks, which XLA:GPU fuses into the GEMMs' operands; in a scan XLA:GPU copies every layer's
-dynamic slice out before its GEMM reads it (each weight crosses HBM three times a step: see
-`benchmarks/gpu_hlo_report.py`). A model whose layers differ (a notebook replaced one) keeps its `nnx.List` and
-runs unrolled.
+layer. On GPU (`Kernels.layer_loop` "unrolled") a model keeps its layers separate instead
+(`LlamaForCausalLM.arrange_layers`): in a scan XLA:GPU copies every layer's dynamic slice out before its GEMM
+reads it (each weight crosses HBM three times a step: see `benchmarks/gpu_hlo_report.py`); static slices of the
+stacks are fused into the GEMMs' operands, but each layer's GEMM is then a fusion of its own (the slice offsets
+differ), compiled and autotuned once per layer; separate layers' GEMMs are one fusion, compiled and autotuned
+once. A model whose layers differ (a notebook replaced one) keeps its `nnx.List` and runs unrolled.
 """
 
 from __future__ import annotations
@@ -81,13 +82,25 @@ class LayerSlice:
         return take_layer(self.stacked, self.index)[key]
 
 
-def _unstacked(value, i: int):
+def _layer_sharding(sharding: jax.sharding.Sharding | None) -> jax.sharding.Sharding | None:
+    if isinstance(sharding, NamedSharding):  # the layer axis goes; the others keep their split
+        return NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+    return sharding
+
+
+@functools.cache
+def _splitter(sharding: jax.sharding.Sharding | None, count: int) -> Callable:
+    return jax.jit(lambda x: [x[i] for i in range(count)],
+                   out_shardings=None if sharding is None else [sharding] * count)
+
+
+def _split(value, count: int) -> list:
+    """A stacked value [count, ...] -> its `count` layers (abstract in, abstract out), placed as the stack was."""
     if isinstance(value, jax.ShapeDtypeStruct):
-        sharding = value.sharding
-        if isinstance(sharding, NamedSharding):
-            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
-        return jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=sharding)
-    return value[i]
+        part = jax.ShapeDtypeStruct(value.shape[1:], value.dtype, sharding=_layer_sharding(value.sharding))
+        return [part] * count
+    sharding = _layer_sharding(value.sharding) if isinstance(value.sharding, NamedSharding) else None
+    return _splitter(sharding, count)(value)
 
 
 class StackedLayers(nnx.Module):
@@ -113,19 +126,22 @@ class StackedLayers(nnx.Module):
             stacked.append((path, var.replace(value, **({"axes": (LAYERS_AXIS, *axes)} if axes else {}))))
         return cls(nnx.merge(graphdef, nnx.from_flat_state(stacked)), len(layers))
 
-    def unstack(self) -> list[nnx.Module]:
-        """The layers as separate modules (copies of their slices; this module is left as it is)."""
+    def unstack(self, release: bool = False) -> list[nnx.Module]:
+        """The layers as separate modules (copies of their slices). release: each stacked array is deleted once its
+        slices exist (this module is then unusable), so unstacking costs one stacked parameter's worth of extra
+        memory; else this module is left as it is."""
         graphdef, state = nnx.split(self.layer)
         flat = nnx.to_flat_state(state)
-        layers = []
-        for i in range(self.num_layers):
-            items = []
-            for path, var in flat:
-                axes = var.get_metadata().get("axes")
-                extra = {"axes": tuple(axes[1:])} if axes else {}
-                items.append((path, var.replace(_unstacked(var.get_value(), i), **extra)))
-            layers.append(nnx.merge(graphdef, nnx.from_flat_state(items)))
-        return layers
+        per_layer: list[list] = [[] for _ in range(self.num_layers)]
+        for path, var in flat:
+            axes = var.get_metadata().get("axes")
+            extra = {"axes": tuple(axes[1:])} if axes else {}
+            value = var.get_value()
+            for i, part in enumerate(_split(value, self.num_layers)):
+                per_layer[i].append((path, var.replace(part, **extra)))
+            if release and isinstance(value, jax.Array) and not value.is_deleted():
+                value.delete()
+        return [nnx.merge(graphdef, nnx.from_flat_state(items)) for items in per_layer]
 
     def __len__(self) -> int:
         return self.num_layers

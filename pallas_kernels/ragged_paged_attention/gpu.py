@@ -50,7 +50,9 @@ class BlockSizes:
 
 # (step kind, head_dim) -> block sizes. Decode: a program per (KV head, block of block_q sequences) whose tile
 # has MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
-# blocks x 64-token blocks of pages. num_splits is set by `block_sizes`.
+# blocks x 64-token blocks of pages. num_splits is set by `block_sizes`. On an H100 (bf16 cache, head_dim 128,
+# 256 sequences x 2048 tokens, 1.44 ms = 44% of HBM bandwidth) the decode row was the fastest of 64/128/256 tokens
+# per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep).
 BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
     ("decode", 64): (MIN_ROWS, 128, 4, 2),
     ("decode", 128): (MIN_ROWS, 128, 4, 2),
@@ -68,15 +70,17 @@ def _pow2(n: int) -> int:
 def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, page_size: int,
                 max_pages: int, sm_count: int = SM_COUNT) -> BlockSizes:
     """The block sizes for a step's static shapes: the table's row for (decode or prefill, head_dim), and, for a
-    decode step, enough KV splits that the grid has about two programs per SM."""
+    decode step whose grid has fewer than two programs per SM, enough KV splits for about eight (on an H100 at 64
+    sequences x 1024 tokens: 8 splits 0.60 ms, 1-4 splits 0.67-0.74 ms, 16 splits 0.89 ms;
+    `benchmarks/device_check.py`'s sweep)."""
     kind = "decode" if num_tokens <= num_seqs else "prefill"
     rows, tokens_per_iter, warps, stages = BLOCK_TABLE[(kind, min(256, max(64, _pow2(head_dim))))]
     block_q = max(1, rows // _pow2(group))
     splits = 1
-    if kind == "decode":
-        programs = num_kv_heads * -(-num_seqs // block_q)
+    programs = num_kv_heads * -(-num_seqs // block_q)
+    if kind == "decode" and programs < 2 * sm_count:
         pages_per_iter = max(1, tokens_per_iter // page_size)
-        splits = max(1, min(-(-2 * sm_count // programs), max_pages // pages_per_iter, 32))
+        splits = max(1, min(-(-8 * sm_count // programs), max_pages // pages_per_iter, 32))
     return BlockSizes(block_q, tokens_per_iter, warps, stages, splits)
 
 

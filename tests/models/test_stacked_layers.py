@@ -111,3 +111,37 @@ def test_the_scanned_step_does_not_grow_with_depth():
     shallow, deep = len(_step_program(2, True)), len(_step_program(12, True))
     assert deep < 1.05 * shallow  # the layer is in the program once, whatever the depth
     assert len(_step_program(12, False)) > 3 * len(_step_program(2, False))  # unrolled: once per layer
+
+
+def test_the_layout_follows_the_layer_loop():
+    """`arrange_layers`: a scan keeps the layers stacked; an unrolled loop (the GPU's) gets separate layers, each
+    stacked array deleted once its layers exist, and the same outputs."""
+    scanned = _model(attn_impl="reference", matmul_impl="reference")
+    unrolled = _model(kernels=choose_kernels("reference", "reference", layer_loop="unrolled"))
+    scanned.arrange_layers()
+    assert scanned.stacked
+    unrolled.stack_layers()  # as the loaders return it
+    stacks = jax.tree.leaves(nnx.state(unrolled.layers))
+    unrolled.arrange_layers()
+    assert not unrolled.stacked and len(unrolled.layers) == CFG.num_layers
+    assert stacks and all(x.is_deleted() for x in stacks)
+    assert len(jax.tree.leaves(nnx.state(unrolled.layers))) == CFG.num_layers * len(stacks)
+    ids = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (2, 7)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(unrolled(ids)), np.asarray(scanned(ids)), rtol=1e-5, atol=1e-5)
+    unrolled.arrange_layers()  # already laid out: nothing moves
+    assert not unrolled.stacked
+
+
+def test_the_engine_lays_out_a_model_it_is_given():
+    from jaxllm import LLM, SamplingParams
+
+    model = _model(kernels=choose_kernels("reference", "reference", layer_loop="unrolled"))
+    model.stack_layers()
+    llm = LLM(model=model, num_pages=16, max_model_len=32, max_num_seqs=1, max_num_batched_tokens=16)
+    assert llm.engine.model is model and not model.stacked
+    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4,
+                                                                             ignore_eos=True), use_tqdm=False)
+    scanned = _model(attn_impl="reference", matmul_impl="reference")
+    scanned.stack_layers()
+    want = greedy_generate(PagedRunner(scanned, num_pages=12, page_size=4), [[5, 6, 7, 8]], 4)
+    assert [out[0].outputs[0].token_ids] == want

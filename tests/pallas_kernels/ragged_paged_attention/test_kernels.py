@@ -97,13 +97,15 @@ def test_gpu_long_decode_spreads_over_every_split():
 
 def test_gpu_block_sizes_come_from_the_table():
     """Decode shapes take the decode row (a tile of 16 rows: the group's heads of 16 / group tokens) and enough
-    splits for ~2 programs per SM; prefill and mixed shapes the prefill row (128-row tiles), one split."""
+    splits, when the grid has fewer than 2 programs per SM, for ~8; prefill and mixed shapes the prefill row
+    (128-row tiles), one split."""
     llama8b = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, max_pages=2048)
     rows, per_iter, warps, stages = gpu.BLOCK_TABLE[("decode", 128)]
     one = gpu.block_sizes(1, 1, **llama8b)
     assert (one.block_q * 4, one.tokens_per_iter, one.num_warps, one.num_stages) == (rows, per_iter, warps, stages)
-    assert one.num_splits == 32  # 8 programs: 264 wanted, capped at 32
-    assert gpu.block_sizes(32, 32, **llama8b).num_splits == 5  # 64 programs
+    assert one.num_splits == 32  # 8 programs: 132 wanted, capped at 32
+    assert gpu.block_sizes(32, 32, **llama8b).num_splits == 17  # 64 programs
+    assert gpu.block_sizes(64, 64, **dict(llama8b, max_pages=64)).num_splits == 8  # 128 programs; 8 iterations
     assert gpu.block_sizes(256, 256, **llama8b).num_splits == 1  # 512 programs fill the SMs already
     prefill = gpu.block_sizes(2048, 256, **llama8b)
     assert (prefill.block_q, prefill.num_splits) == (gpu.BLOCK_TABLE[("prefill", 128)][0] // 4, 1)
