@@ -78,3 +78,24 @@ def test_int8_weights_under_tensor_parallel(tiny_model_dir):
     assert down.weight[...].dtype == jnp.int8 and len(down.weight[...].sharding.device_set) == 2
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_separate_layers_keep_their_split(tiny_model_dir):
+    """The GPU's layout (the unrolled layer loop keeps the layers separate: `arrange_layers`) under tensor
+    parallelism: each layer's weights stay split as the stack was, with the same logits as one device."""
+    import dataclasses
+
+    folder, _ = tiny_model_dir("qwen2_tp")
+    ids = np.random.default_rng(3).integers(0, 1024, (2, 7))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)
+    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=2)
+    lm.model.set_kernels(dataclasses.replace(lm.model.kernels, layer_loop="unrolled"))
+    lm.model.arrange_layers()
+    cfg = lm.config
+    assert not lm.model.stacked and len(lm.model.layers) == cfg.num_layers
+    qkv = lm.model.layers[1].self_attn.qkv_proj.weight[...]
+    assert len(qkv.sharding.device_set) == 2 and qkv.addressable_shards[0].data.shape == (
+        (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2, cfg.hidden_size)
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
