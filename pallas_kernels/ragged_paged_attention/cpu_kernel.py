@@ -167,8 +167,10 @@ def _prefetch_page(k_cache, v_cache, kh, page):
 
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                 block_q, s, kh, b0, g0, g1):
-    """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group.
+                 block_q, s, kh, b0, g0, g1, lo, hi, slot, partials):
+    """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group, over
+    the keys at positions ``lo .. hi`` (page-aligned). slot < 0: the normalised result into ``out``; else the
+    unnormalised accumulator, running max and sum into ``partials[slot]`` ([rows, D + 2]) for `merge_chunks`.
     q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"."""
     h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
@@ -179,7 +181,6 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     ctx = kv_lens[s]
     first = ctx - q_len + b0  # position of the block's first query token
     start = max(0, first - window + 1) if window > 0 else 0
-    _prefetch_page(k_cache, v_cache, kh, block_tables[s, start // page_size])
     nq = min(block_q, q_len - b0)
     rows = nq * group
     qs = np.empty((rows, d), np.float32)  # pre-scaled queries
@@ -193,8 +194,11 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
         head = first_head + r % group
         for x in range(d):
             qs[r, x] = q[tok, head, x] * sm_scale
-    end_page = last // page_size + 1
-    for pi in range(start // page_size, end_page):
+    end_page = min(last + 1, hi) // page_size + (min(last + 1, hi) % page_size > 0)
+    first_page = max(start, lo) // page_size
+    if first_page < end_page:
+        _prefetch_page(k_cache, v_cache, kh, block_tables[s, first_page])
+    for pi in range(first_page, end_page):
         page = block_tables[s, pi]
         if pi + 1 < end_page:  # pages are scattered, so the hardware prefetcher cannot guess the next one
             _prefetch_page(k_cache, v_cache, kh, block_tables[s, pi + 1])
@@ -203,12 +207,54 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
             _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, 64, 16)
         else:
             _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, d, page_size)
+    if slot >= 0:
+        for r in range(rows):
+            for x in range(d):
+                partials[slot, r, x] = acc[r, x]
+            partials[slot, r, d] = m[r]
+            partials[slot, r, d + 1] = l[r]
+        return
     for r in range(rows):
         tok = q0 + b0 + r // group
         head = first_head + r % group
         inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
         for x in range(d):
             out[tok, head, x] = acc[r, x] * inv
+
+
+@numba.njit(**_KW)
+def merge_chunks(partials, merges, q_shape_h, kvh, query_start_loc, block_q, out):
+    """Each split item's chunks (``merges`` rows: sequence, KV head, block start, first and end q head, first slot,
+    chunks), combined in chunk order: every output then depends only on its own sequence, never on the batch or
+    the threads."""
+    d = out.shape[2]
+    for i in range(merges.shape[0]):
+        s, kh, b0, g0, g1, first_slot, chunks = (merges[i, 0], merges[i, 1], merges[i, 2], merges[i, 3],
+                                                  merges[i, 4], merges[i, 5], merges[i, 6])
+        group = g1 - g0
+        first_head = kh * (q_shape_h // kvh) + g0
+        q0 = query_start_loc[s]
+        nq = min(block_q, query_start_loc[s + 1] - q0 - b0)
+        for r in range(nq * group):
+            m = NEG
+            for c in range(chunks):
+                m = max(m, partials[first_slot + c, r, d])
+            total = np.float32(0.0)
+            tok = q0 + b0 + r // group
+            head = first_head + r % group
+            for x in range(d):
+                out[tok, head, x] = 0.0
+            for c in range(chunks):
+                part = partials[first_slot + c]
+                if part[r, d + 1] <= 0:
+                    continue  # a chunk with no key in this row's window
+                w = _exp(part[r, d] - m)
+                total += part[r, d + 1] * w
+                for x in range(d):
+                    out[tok, head, x] += part[r, x] * w
+            inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+            for x in range(d):
+                out[tok, head, x] *= inv
 
 
 @numba.njit(inline="always", **_KW)
@@ -220,39 +266,67 @@ def _zero_rows(out, start, end):
             flat[r, x] = 0.0
 
 
+CONTEXT_CHUNK = 1024  # key positions an item covers at most: longer contexts split at its multiples
+
+
 @numba.njit(**_KW)
-def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, out):
+def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, page_size, out):
     """The step's work items, (sequence, KV head, first query token of the block, first and end q head of the
-    group) [n, 5], costliest first so that threads sharing them finish together. With fewer than ``min_items``
-    (sequence, KV head, block) items (one or two decoding sequences), each is split by q head, so that the
-    threads get even shares (they read the same pages, the second time from cache). Also zeroes the output
-    rows no item writes (padding tokens)."""
+    group, first and end key position, partial slot) [n, 8], costliest first so that threads sharing them finish
+    together, and the merges of split items [m, 7] (`merge_chunks`). A block whose keys reach past
+    ``CONTEXT_CHUNK`` is split at its multiples (flash-decoding: a long context's pages spread over the threads,
+    each read once) whatever the batch, so a sequence's numbers never depend on its neighbours. With fewer than
+    ``min_items`` items (one or two short decoding sequences), each is also split by q head, so that the threads
+    get even shares (they read the same pages, the second time from cache). Also zeroes the output rows no item
+    writes (padding tokens)."""
     num_seqs = kv_lens.shape[0]
+    chunk = max(page_size, CONTEXT_CHUNK // page_size * page_size)
     n = 0
+    n_split = 0  # blocks split by context
+    n_slots = 0
     for s in range(num_seqs):
         q_len = query_start_loc[s + 1] - query_start_loc[s]
         if q_len > 0 and kv_lens[s] > 0:
-            n += (q_len + block_q - 1) // block_q * kvh
+            for b0 in range(0, q_len, block_q):
+                last = kv_lens[s] - q_len + min(b0 + block_q, q_len) - 1
+                chunks = last // chunk + 1
+                n += chunks * kvh
+                if chunks > 1:
+                    n_split += kvh
+                    n_slots += chunks * kvh
         elif q_len > 0:
             _zero_rows(out, query_start_loc[s], query_start_loc[s + 1])
     _zero_rows(out, max(0, query_start_loc[num_seqs]), out.shape[0])
     split = group if n < min_items else 1
-    work = np.empty((n * split, 5), np.int64)
+    work = np.empty((n * split, 8), np.int64)
     cost = np.empty(n * split, np.int64)
-    i = 0
+    merges = np.empty((n_split * split, 7), np.int64)
+    i, slot, j = 0, 0, 0
     for s in range(num_seqs):
         q_len = query_start_loc[s + 1] - query_start_loc[s]
         if q_len <= 0 or kv_lens[s] <= 0:
             continue
         for b0 in range(0, q_len, block_q):
-            c = min(block_q, q_len - b0) * (kv_lens[s] - q_len + b0 + block_q)  # query rows x keys (about)
+            nq = min(block_q, q_len - b0)
+            last = kv_lens[s] - q_len + b0 + nq - 1
+            chunks = last // chunk + 1
             for kh in range(kvh):
                 for part in range(split):
-                    work[i, 0], work[i, 1], work[i, 2] = s, kh, b0
-                    work[i, 3], work[i, 4] = part * group // split, (part + 1) * group // split
-                    cost[i] = c
-                    i += 1
-    return work[_order_by_cost(cost)]
+                    g0, g1 = part * group // split, (part + 1) * group // split
+                    if chunks > 1:
+                        merges[j, 0], merges[j, 1], merges[j, 2], merges[j, 3] = s, kh, b0, g0
+                        merges[j, 4], merges[j, 5], merges[j, 6] = g1, slot, chunks
+                        j += 1
+                    for c in range(chunks):
+                        lo, hi = c * chunk, min((c + 1) * chunk, last + 1)
+                        work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4] = s, kh, b0, g0, g1
+                        work[i, 5], work[i, 6] = lo, hi
+                        work[i, 7] = slot + c if chunks > 1 else -1
+                        cost[i] = nq * (hi - lo)  # query rows x keys
+                        i += 1
+                    if chunks > 1:
+                        slot += chunks
+    return work[_order_by_cost(cost)], merges, slot
 
 
 @numba.njit(**_KW)
@@ -291,17 +365,21 @@ def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, o
     """Every work item on the calling thread (tests, and the reference for the threaded runs); ``min_items``
     as in `plan`."""
     kvh = k_cache.shape[0]
-    work = plan(kv_lens, query_start_loc, kvh, q.shape[1] // kvh, block_q, min_items, out)
+    group = q.shape[1] // kvh
+    work, merges, slots = plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, k_cache.shape[2], out)
+    partials = np.empty((slots, block_q * group, q.shape[2] + 2), np.float32)
     for i in range(work.shape[0]):
         attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                     block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4])
+                     block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4], work[i, 5], work[i, 6],
+                     work[i, 7], partials)
+    merge_chunks(partials, merges, q.shape[1], kvh, query_start_loc, block_q, out)
 
 
 @numba.njit(inline="always", **_KW)
 def run_chunk(words, chunk, cache_type):
     """Work item ``chunk`` of a launch over caches of ``cache_type`` (a `CACHE_TYPES` value); the words are the
     addresses of q, the caches, kv_lens, block_tables, query_start_loc, out, the plan and the scalar parameters,
-    then T, H, D, KVH, pages, page size, sequences and pages per sequence."""
+    then T, H, D, KVH, pages, page size, sequences and pages per sequence, then the partials' address and slots."""
     t, h, d, kvh = load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96)
     pages, page_size, num_seqs, max_pages = (load64(words + 104), load64(words + 112), load64(words + 120),
                                              load64(words + 128))
@@ -313,11 +391,14 @@ def run_chunk(words, chunk, cache_type):
     block_tables = carray(to_ptr(load64(words + 32)), (num_seqs, max_pages), dtype=i32)
     query_start_loc = carray(to_ptr(load64(words + 40)), (num_seqs + 1,), dtype=i32)
     out = carray(to_ptr(load64(words + 48)), (t, h, d), dtype=f32)
-    work = carray(to_ptr(load64(words + 56)), (chunk + 1, 5), dtype=np.int64)
+    work = carray(to_ptr(load64(words + 56)), (chunk + 1, 8), dtype=np.int64)
     params = carray(to_ptr(load64(words + 64)), (4,), dtype=f32)  # sm_scale, sliding window, soft cap, block_q
+    block_q = np.int64(params[3])
+    partials = carray(to_ptr(load64(words + 136)), (max(1, load64(words + 144)), block_q * (h // kvh), d + 2),
+                      dtype=f32)
     attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, params[0], np.int64(params[1]),
-                 params[2], np.int64(params[3]), work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
-                 work[chunk, 4])
+                 params[2], block_q, work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
+                 work[chunk, 4], work[chunk, 5], work[chunk, 6], work[chunk, 7], partials)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -382,12 +463,17 @@ def _execute(frame):
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
     n = workers()
     min_items = 4 * n if n > 1 else 0  # below: split the items by q head to share them evenly
-    work = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32),
-                carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32), kvh, h // kvh, block_q, min_items,
-                carray(to_ptr(out_p), (t, h, d), dtype=np.float32))
+    starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
+    out = carray(to_ptr(out_p), (t, h, d), dtype=np.float32)
+    work, merges, slots = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32), starts, kvh, h // kvh, block_q,
+                               min_items, page_size, out)
+    partials = np.empty((max(1, slots), block_q * (h // kvh), d + 2), np.float32)
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
-                   kvh, pages, page_size, num_seqs, max_pages), work.shape[0], chunk_fn, False)
+                   kvh, pages, page_size, num_seqs, max_pages, np.int64(partials.ctypes.data), slots),
+           work.shape[0], chunk_fn, False)
+    merge_chunks(partials, merges, h, kvh, starts, block_q, out)
     keep_alive(work)  # the chunks read it through its address
+    keep_alive(partials)
 
 
 @numba.cfunc(HANDLER, cache=True)

@@ -53,6 +53,40 @@ def test_kernel_matches_naive_dense(kind, block_q, options, split):
     assert np.all(got[case.num_real_tokens:] == 0)
 
 
+LONG = [(1, 2500), (1, 1024), (1, 1025), (40, 2100), (1, 30)]  # decodes past one and two context chunks, a prompt
+
+
+@pytest.mark.parametrize("options", OPTIONS + [{"sliding_window": 1100}], ids=OPTION_IDS + ["wide-window"])
+@pytest.mark.parametrize("split", [False, True], ids=["items", "split-by-head"])
+def test_long_contexts_split_by_chunk_match_naive_dense(options, split):
+    """Keys past `CONTEXT_CHUNK` are split into chunks (each a work item, merged after): the same attention."""
+    from pallas_kernels.ragged_paged_attention.cpu_kernel import CONTEXT_CHUNK
+
+    assert max(c for _, c in LONG) > 2 * CONTEXT_CHUNK
+    case = make_case("decode", num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=np.float32, seqs=LONG)
+    got = _direct(case, 4, 1 << 30 if split else 0, **options)
+    np.testing.assert_allclose(got, naive_attention(case, **options), atol=2e-5, rtol=1e-5)
+    assert np.all(got[case.num_real_tokens:] == 0)
+
+
+def test_a_long_sequence_gets_the_same_bits_alone_or_in_a_batch():
+    """Chunks are cut at fixed positions, merged in order: a sequence's output does not depend on the batch
+    around it or on how the items are shared out (the q-head split for few items included)."""
+    batch = make_case("decode", num_heads=6, num_kv_heads=2, head_dim=32, page_size=16, dtype=np.float32, seqs=LONG,
+                      pad_tokens=0, pad_seqs=0)
+    together = _direct(batch, 1, 0)
+    starts = np.asarray(batch.meta.query_start_loc)
+    for i, seq in enumerate(LONG):
+        if seq[0] != 1:
+            continue
+        t = int(starts[i])  # the sequence's token
+        alone = dataclasses.replace(batch, q=batch.q[t:t + 1], meta=dataclasses.replace(
+            batch.meta, kv_lens=batch.meta.kv_lens[i:i + 1], block_tables=batch.meta.block_tables[i:i + 1],
+            query_start_loc=jnp.asarray([0, 1], jnp.int32), slot_mapping=batch.meta.slot_mapping[t:t + 1]))
+        for min_items in (0, 1 << 30):
+            assert np.array_equal(_bits(_direct(alone, 1, min_items)[0]), _bits(together[t])), (seq, min_items)
+
+
 def test_the_kernel_views_every_cache_type_by_its_ffi_type():
     assert set(CACHE_TYPES.values()) == {np.float32, *KERNEL_VIEW.values()}
     assert {jnp.dtype(t) for t in cpu.CACHE_DTYPES} == {jnp.dtype(jnp.float32), *KERNEL_VIEW}
