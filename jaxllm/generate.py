@@ -19,10 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.config import EngineConfig, default_preset
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import InvalidRequestError
-from jaxllm.loading.embedded import EMBEDDED_PRESET
 from jaxllm.loading.errors import LoadError
 from jaxllm.sampling_params import SamplingParams
 
@@ -36,8 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                    "(org/name:Q4_K_M: that GGUF file of the repository); default: embedded SmolLM2")
     m.add_argument("--revision", help="of a hub id: a branch, tag or commit (default: main)")
     m.add_argument("--download-dir", help="Hugging Face cache for hub ids (default: huggingface_hub's, HF_HUB_CACHE)")
-    m.add_argument("--preset", default=EMBEDDED_PRESET, help="engine preset in jaxllm/configs/ or a TOML file "
-                   "(default: smollm2-cpu)")
+    m.add_argument("--preset", help="engine preset in jaxllm/configs/ or a TOML file (default: smollm2-cpu for the "
+                   "embedded model, the platform's for others: cpu, gpu, tpu)")
     m.add_argument("--dtype", help="auto (float32 on CPU, bfloat16 on GPU/TPU), float32, bfloat16")
     m.add_argument("--tensor-parallel-size", type=int, help="devices to shard the model over")
     m.add_argument("--attn-impl", help="paged attention kernel: auto, reference, cpu, pallas_tpu, pallas_gpu")
@@ -86,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _engine_config(args: argparse.Namespace, num_sequences: int) -> EngineConfig:
     names = {f.name for f in dataclasses.fields(EngineConfig)}
     overrides = {k: v for k, v in vars(args).items() if k in names and v is not None}
-    config = EngineConfig.from_preset(args.preset, **overrides)
+    config = EngineConfig.from_preset(args.preset or default_preset(args.model), **overrides)
     if config.num_pages is None and config.max_model_len is not None:
         # A one-shot run needs pages for its own sequences only, not a server's share of RAM (allocating and
         # freeing gigabytes was a visible part of a short run). A power of two: the count is a compiled shape,

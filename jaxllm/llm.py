@@ -12,9 +12,8 @@ from tqdm import tqdm
 
 from jaxllm import scoring
 from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from jaxllm.engine.config import EngineConfig
+from jaxllm.engine.config import EngineConfig, default_preset
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.loading.embedded import EMBEDDED_PRESET
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.multimodal.chat import chat_images
 from jaxllm.multimodal.image_input import ImagePolicy
@@ -71,15 +70,11 @@ class LLM:
     @staticmethod
     def engine_config(model: str | LlamaForCausalLM | None = None, preset: str | None = None,
                       **engine_options: Any) -> EngineConfig:
-        """The engine config `LLM(model, preset=..., **engine_options)` runs with: the embedded model (no model)
-        starts from the preset the server and the CLI start it from (`EMBEDDED_PRESET`), other models from the
-        dataclass's defaults unless a preset is named."""
+        """The engine config `LLM(model, preset=..., **engine_options)` runs with: unless a preset is named, the one
+        the server and the CLI start the same model from (`default_preset`: the embedded model's own, else the
+        platform's)."""
         path = model if isinstance(model, str) else None
-        if preset is None and model is None:
-            preset = EMBEDDED_PRESET
-        if preset:
-            return EngineConfig.from_preset(preset, model=path, **engine_options)
-        return EngineConfig(model=path, **engine_options)
+        return EngineConfig.from_preset(preset or default_preset(model), model=path, **engine_options)
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -1,6 +1,7 @@
 """Server settings from the environment (gunicorn passes host/port itself):
 
-JAXLLM_PRESET (engine preset in jaxllm/configs/ or TOML path, default smollm2-cpu), JAXLLM_MODEL (a folder, a GGUF
+JAXLLM_PRESET (engine preset in jaxllm/configs/ or TOML path; default: smollm2-cpu for the embedded model,
+the platform's for others: cpu, gpu, tpu), JAXLLM_MODEL (a folder, a GGUF
 file, or a hub id org/name or org/name:QUANT), JAXLLM_REVISION, JAXLLM_DOWNLOAD_DIR (hub ids; HF_HOME, HF_HUB_CACHE,
 HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT as huggingface_hub reads them),
 JAXLLM_SERVED_MODEL_NAME, JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES, JAXLLM_KV_MEMORY_FRACTION,
@@ -32,8 +33,7 @@ import dataclasses
 import os
 from pathlib import Path
 
-from jaxllm.engine.config import EngineConfig
-from jaxllm.loading.embedded import EMBEDDED_PRESET
+from jaxllm.engine.config import EngineConfig, default_preset
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
@@ -82,7 +82,8 @@ class ServerSettings:
             value = env.get(f"JAXLLM_{name.upper()}")
             if value not in (None, ""):
                 overrides[name] = kind(value)
-        engine = EngineConfig.from_preset(env.get("JAXLLM_PRESET", EMBEDDED_PRESET), **overrides)
+        preset = env.get("JAXLLM_PRESET") or default_preset(overrides.get("model"))
+        engine = EngineConfig.from_preset(preset, **overrides)
         template_path = env.get("JAXLLM_CHAT_TEMPLATE") or None
         parser = env.get("JAXLLM_TOOL_CALL_PARSER") or None
         if parser is not None and parser not in TOOL_PARSERS:

@@ -87,7 +87,7 @@ FLAGS = [
     Flag(("--runner",), "JAXLLM_RUNNER", "model", "pooling: a causal model embeds too (last-token pooling); "
          "generate: refuse a model that cannot generate", choices=("auto", "generate", "pooling")),
     Flag(("--preset",), "JAXLLM_PRESET", "model", "jaxllm engine preset (jaxllm/configs/) or TOML file the flags "
-         "override (default: smollm2-cpu)"),
+         "override (default: smollm2-cpu for the embedded model, the platform's for others: cpu, gpu, tpu)"),
     Flag(("--kv-cache-dtype",), "JAXLLM_KV_CACHE_DTYPE", "engine", "auto (the model's), bfloat16, float16, "
          "float32, float8_e4m3fn, float8_e5m2"),
     Flag(("--gpu-memory-utilization",), "JAXLLM_KV_MEMORY_FRACTION", "engine", "fraction of the device memory "

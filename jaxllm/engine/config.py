@@ -23,6 +23,22 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
+PLATFORM_PRESETS = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}  # jax's backend -> the preset of a model on it
+
+
+def default_preset(model: object | None, platform: str | None = None) -> str:
+    """The preset an entry point (`LLM`, the server, `jaxllm generate`) starts a model from when none is named,
+    the same for all of them: the embedded model's own (`model` None), else its platform's (default: jax's
+    backend)."""
+    if model is None:
+        from jaxllm.loading.embedded import EMBEDDED_PRESET
+        return EMBEDDED_PRESET
+    if platform is None:
+        import jax
+        platform = jax.default_backend()
+    return PLATFORM_PRESETS.get({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform), "cpu")
+
+
 def read_preset(name_or_path: str) -> tuple[str, str]:
     """(where it came from, TOML text) of a preset by name (e.g. "smollm2-cpu") or of a TOML file path."""
     path = Path(name_or_path)

@@ -32,4 +32,21 @@ def test_the_embedded_model_starts_from_one_preset_everywhere():
     assert offline == EngineConfig.from_preset("smollm2-cpu")
     cli = _engine_config(parse_args(["hello"]), num_sequences=1)
     assert dataclasses.replace(cli, num_pages=None) == offline
-    assert LLM.engine_config("some/folder") == EngineConfig(model="some/folder")  # other models: as configured
+    # another model: its platform's preset, the same from every entry point
+    folder = LLM.engine_config("some/folder")
+    assert folder == EngineConfig.from_preset("cpu", model="some/folder")
+    assert folder == ServerSettings.from_env({"JAXLLM_MODEL": "some/folder"}).engine
+    cli = _engine_config(parse_args(["--model", "some/folder", "hi"]), 1)
+    assert dataclasses.replace(cli, num_pages=None) == folder
+    assert LLM.engine_config("some/folder", preset="smollm2-cpu").max_model_len == 8192  # a named preset wins
+    assert folder.kv_cache_dtype == "float16" and folder.dtype == "float32"
+
+
+def test_each_platform_has_a_preset():
+    from jaxllm.engine.config import default_preset
+
+    assert default_preset(None) == "smollm2-cpu"
+    assert [default_preset("m", p) for p in ("cpu", "gpu", "cuda", "tpu")] == ["cpu", "gpu", "gpu", "tpu"]
+    for name in ("cpu", "gpu", "tpu"):
+        config = EngineConfig.from_preset(name)
+        assert config.model is None and config.buckets()
