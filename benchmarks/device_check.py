@@ -89,7 +89,7 @@ def sizes(smoke: bool) -> Sizes:
                      {"max_num_batched_tokens": 64, "token_buckets": (4, 64)}, (4,))
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
-                 1024, 128, {"max_num_batched_tokens": 2048, "token_buckets": (1, 32, 128, 256, 2048)},
+                 1024, 128, {"max_num_batched_tokens": 2048, "token_buckets": (1, 32, 128, 256, 1024, 2048)},
                  {"max_num_batched_tokens": 1024, "token_buckets": (16, 1024)}, (1, 32, 256))
 
 

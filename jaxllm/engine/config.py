@@ -33,10 +33,23 @@ def default_preset(model: object | None, platform: str | None = None) -> str:
     if model is None:
         from jaxllm.loading.embedded import EMBEDDED_PRESET
         return EMBEDDED_PRESET
-    if platform is None:
-        import jax
-        platform = jax.default_backend()
+    platform = platform or _platform()
     return PLATFORM_PRESETS.get({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform), "cpu")
+
+
+def _platform() -> str:
+    """The platform JAX will run on, without starting its backend (a server's master process forks workers after
+    reading its settings, and a multi-host engine must call `jax.distributed.initialize` first): JAX_PLATFORMS'
+    first entry, else the accelerator plugin installed, else cpu."""
+    import importlib.util
+
+    import jax
+    named = (jax.config.jax_platforms or "").split(",")[0].strip()
+    if named:
+        return named
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin")):
+        return "gpu"
+    return "tpu" if importlib.util.find_spec("libtpu") else "cpu"
 
 
 def read_preset(name_or_path: str) -> tuple[str, str]:

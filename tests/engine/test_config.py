@@ -39,7 +39,7 @@ def test_the_embedded_model_starts_from_one_preset_everywhere():
     cli = _engine_config(parse_args(["--model", "some/folder", "hi"]), 1)
     assert dataclasses.replace(cli, num_pages=None) == folder
     assert LLM.engine_config("some/folder", preset="smollm2-cpu").max_model_len == 8192  # a named preset wins
-    assert folder.kv_cache_dtype == "float16" and folder.dtype == "float32"
+    assert folder.kv_cache_dtype == "auto" and folder.dtype == "float32"
 
 
 def test_each_platform_has_a_preset():
