@@ -111,9 +111,7 @@ def main() -> None:
     print(f"{'':18s} {'jaxllm LLM()':>13s} {'llama.cpp Q4_1':>15s} {'ratio':>7s}")
     for k in keys:
         print(f"{k:18s} {summary['jaxllm LLM()'][k]:13.1f} {summary['llama.cpp Q4_1'][k]:15.1f} {ratios[k]:6.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": host, "rounds": args.rounds, "summary": summary,
-                                               "ratios": ratios, "runs": runs}, indent=1))
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs)
 
 
 if __name__ == "__main__":

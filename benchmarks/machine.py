@@ -4,6 +4,7 @@ Figures from two machines are not comparable; ratios measured in one run on one 
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -42,3 +43,9 @@ def line(info: dict | None = None) -> str:
 
 if __name__ == "__main__":
     print(line())
+
+
+def save(path: str | None, host: dict, **fields) -> None:
+    """A benchmark's results as JSON beside the machine they came from (`describe`); nothing without a path."""
+    if path:
+        Path(path).write_text(json.dumps({"machine": host, **fields}, indent=1))

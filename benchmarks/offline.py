@@ -133,9 +133,7 @@ def main() -> None:
         ratios["batch vs transformers"] = ours["batch_tok_s"] / summary["transformers f32"]["batch_tok_s"]
     for k, v in ratios.items():
         print(f"jaxllm {k}: {v:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": host, "rounds": args.rounds, "summary": summary,
-                                               "ratios": ratios, "runs": runs}, indent=1))
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs)
 
 
 if __name__ == "__main__":

@@ -93,9 +93,7 @@ def main() -> None:
         print(f"{name}: jaxllm / llama.cpp single {ours['single_tok_s'] / peer['single_tok_s']:.2f}x, batched "
               f"{ours['batch_tok_s'] / peer['batch_tok_s']:.2f}x; weights / file tensors "
               f"{ours['weight_bytes'] / ours['file_tensor_bytes']:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": host, "rounds": args.rounds, "summary": summary,
-                                               "runs": runs}, indent=1))
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, runs=runs)
 
 
 if __name__ == "__main__":

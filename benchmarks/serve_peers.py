@@ -98,9 +98,7 @@ def main() -> None:
             ttft, tpot = a["p99_ttft_ms"] / b["p99_ttft_ms"], a["median_tpot_ms"] / b["median_tpot_ms"]
             print(f"jaxllm / {label} at {a['request_rate']}: tok/s {tput:.2f}x, p99 TTFT {ttft:.2f}x, "
                   f"median TPOT {tpot:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"machine": host, "rates": rates, "args": vars(args),
-                                               "summary": summary, "runs": runs}, indent=1))
+    machine.save(args.json, host, rates=rates, args=vars(args), summary=summary, runs=runs)
 
 
 if __name__ == "__main__":
