@@ -347,14 +347,10 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
     return part
 
 
-def _runner(llm: LLM):
-    return llm.engine.runner
-
-
 def _profile_decode(llm: LLM, prompts: list[dict], batch: int, logdir: Path) -> dict:
     """The device profile of decode steps at `batch` (prompts already in the prefix cache: every step is the
     decode bucket's)."""
-    runner = _runner(llm)
+    runner = llm.engine.runner
     bucket = runner.bucket_for(batch, batch)
     params = SamplingParams(temperature=0, max_tokens=PROFILE_STEPS, ignore_eos=True)
     out = kernel_profile.profile(lambda: llm.generate(prompts, params, use_tqdm=False), logdir,
@@ -364,7 +360,7 @@ def _profile_decode(llm: LLM, prompts: list[dict], batch: int, logdir: Path) -> 
 
 def _profile_prefill(llm: LLM, prompts: list[dict], logdir: Path) -> dict:
     """The device profile of prefill steps: new prompts filling the token budget, one token each."""
-    runner = _runner(llm)
+    runner = llm.engine.runner
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
     bucket = runner.bucket_for(min(tokens, llm.engine.config.max_num_batched_tokens), len(prompts))

@@ -139,21 +139,13 @@ def _kind_by_name(name: str) -> str:
     return "norm/elementwise"
 
 
-def _matched(e: Event, ops: dict[str, OpInfo], keyed: dict[str, OpInfo]) -> str | None:
-    """The instruction name of `e` in `ops` (by its annotation, else by its kernel's name)."""
-    if e.op in ops:
-        return e.op
-    for name in (e.op, e.name):
-        info = keyed.get(_key(name))
-        if info is not None:
-            return next(op for op in ops if _key(op) == _key(name))
-    return None
-
-
 def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int | None = None, top: int = 12) -> dict:
-    """Per step: busy time by kind, idle time between kernels, and the dearest kernels (with GB/s)."""
-    keyed = {_key(op): info for op, info in ops.items()}
-    events = [dataclasses.replace(e, op=op) if (op := _matched(e, ops, keyed)) else e for e in events]
+    """Per step: busy time by kind, idle time between kernels, and the dearest kernels (with GB/s); and the share
+    of kernels matched to an instruction of the program (`annotated`)."""
+    by_key = {_key(op): op for op in ops}  # a kernel named after its instruction, where its annotation is missing
+    events = [e if e.op in ops else dataclasses.replace(e, op=by_key.get(_key(e.op)) or by_key.get(_key(e.name))
+                                                          or e.op) for e in events]
+    annotated = round(sum(e.op in ops for e in events) / max(1, len(events)), 3)
     events = [e for e in events if not (e.op in ops and ops[e.op].kind == "container")]
     if not events:
         return {"error": "no kernels in the trace"}
@@ -187,7 +179,7 @@ def summarize(events: list[Event], ops: dict[str, OpInfo], steps: int | None = N
                      "us_per_step": round(total / steps / 1e3, 1), "us_per_launch": round(per / 1e3, 2),
                      "MB_per_launch": round(info.bytes / 1e6, 2) if info else None,
                      "GB_s": round(info.bytes / per, 1) if info else None})
-    return {"steps": steps, "kernels": len(events), "step_ms": round(window / steps / 1e6, 3),
+    return {"steps": steps, "kernels": len(events), "annotated": annotated, "step_ms": round(window / steps / 1e6, 3),
             "busy_ms": round(busy / steps / 1e6, 3), "idle_ms": round((window - busy) / steps / 1e6, 3),
             "launches_per_step": round(len(events) / steps, 1),
             "kinds_ms": {k: round(by_kind.get(k, 0.0) / steps / 1e6, 3) for k in KINDS if by_kind.get(k)},
@@ -210,7 +202,5 @@ def profile(run: Callable[[], object], logdir: str | Path, hlo_texts: list[str],
         ops |= hlo_ops(text)
     out = summarize(events, ops, steps)
     out["planes"] = {name: lines[:8] for name, lines in seen.items()}
-    keyed = {_key(op): info for op, info in ops.items()}
-    out["annotated"] = round(sum(_matched(e, ops, keyed) is not None for e in events) / max(1, len(events)), 3)
     out["sample_events"] = [dataclasses.asdict(e) for e in events[:5]]  # what the trace names a kernel by
     return out

@@ -23,9 +23,6 @@ def preset_names() -> list[str]:
                   if p.name.endswith(".toml"))
 
 
-PLATFORM_PRESETS = {"cpu": "cpu", "gpu": "gpu", "tpu": "tpu"}  # jax's backend -> the preset of a model on it
-
-
 def default_preset(model: object | None, platform: str | None = None) -> str:
     """The preset an entry point (`LLM`, the server, `jaxllm generate`) starts a model from when none is named,
     the same for all of them: the embedded model's own (`model` None), else its platform's (default: jax's
@@ -33,8 +30,11 @@ def default_preset(model: object | None, platform: str | None = None) -> str:
     if model is None:
         from jaxllm.loading.embedded import EMBEDDED_PRESET
         return EMBEDDED_PRESET
-    platform = platform or _platform()
-    return PLATFORM_PRESETS.get({"cuda": "gpu", "rocm": "gpu"}.get(platform, platform), "cpu")
+    from jaxllm.kernels import normalize_platform
+    try:  # the presets are named after the platforms (cpu, gpu, tpu)
+        return normalize_platform(platform or _platform())
+    except ValueError:  # a platform without a preset of its own
+        return "cpu"
 
 
 def _platform() -> str:
