@@ -187,11 +187,12 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
         max_pages = meta.block_tables.shape[1]
         base = gpu.block_sizes(n, n, kvh, h // kvh, d, s.page_size, max_pages)
         if i == 0:
-            variants = {dataclasses.replace(base, num_splits=x) for x in (1, 2, 4, 8, 16)}
-        else:
-            variants = {dataclasses.replace(base, tokens_per_iter=t, num_warps=w) for t in (64, 128, 256)
-                        for w in (4, 8)}
-            variants |= {dataclasses.replace(base, num_stages=st) for st in (1, 3)}
+            variants = {dataclasses.replace(base, block_q=bq, num_splits=x) for bq in (1, base.block_q)
+                        for x in (1, 2, 4, 8, 16)}
+        else:  # sequences per program (1 and 2: a tile padded to MIN_ROWS rows) x tokens per iteration x stages
+            variants = {dataclasses.replace(base, block_q=bq, tokens_per_iter=t, num_stages=st)
+                        for bq in (1, 2, 4) for t in (32, 64, 128) for st in (2, 3)}
+            variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=w) for w in (2, 8)}
         variants.add(base)
         kv_bytes = n * ctx * 2 * kvh * d * 2
         for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
@@ -207,6 +208,22 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
                          "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
                          "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
     return rows
+
+
+def adopt_sweep_winner(part2: dict, s: Sizes) -> dict | None:
+    """Makes the GPU kernel's decode table row the sweep's fastest at part 2's largest decode shape (in this
+    process); returns the row adopted, or None when there is no sweep."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    n, ctx = s.decode_shapes[-1]
+    rows = [r for r in part2.get("sweep", []) if r["case"] == f"{n} x {ctx}" and "ms" in r]
+    if not rows:
+        return None
+    best = min(rows, key=lambda r: r["ms"])
+    h, kvh, d = s.heads
+    key = ("decode", min(256, max(64, gpu._pow2(d))))
+    gpu.BLOCK_TABLE[key] = (best["block_q"] * gpu._pow2(h // kvh), best["tokens_per_iter"], best["num_warps"],
+                            best["num_stages"])
+    return {"key": list(key), "row": list(gpu.BLOCK_TABLE[key]), "from": best}
 
 
 CPU_REFERENCE = """
@@ -308,7 +325,8 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
         # difference is the decode of new_tokens - 1 tokens per sequence
         for params in (one, one, many):
             start = time.perf_counter()
-            llm.generate(prompts, params, use_tqdm=False)
+            with HostTimeline(llm.engine.runner) as host:
+                llm.generate(prompts, params, use_tqdm=False)
             timings.append(time.perf_counter() - start)
         prefill_s, cached_one_s, cached_many_s = timings
         recompiles += compile_monitor.snapshot()["compiles"] - before
@@ -316,7 +334,8 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
         decode_tok_s = batch * (s.new_tokens - 1) / decode_s
         prefill_tok_s = batch * s.prompt_len / prefill_s
         context = s.prompt_len + s.new_tokens // 2
-        row = {"batch": batch, "decode_tok_s": decode_tok_s, "prefill_tok_s": prefill_tok_s}
+        row = {"batch": batch, "decode_tok_s": decode_tok_s, "prefill_tok_s": prefill_tok_s,
+               "host_ms_per_step": host.per_step(cached_many_s)}
         if device:
             roof = batch * device.hbm_bytes_per_s / (weight_bytes + batch * context * kv_token)
             flops = 2 * weight_bytes / 2 * s.prompt_len * batch  # 2 FLOPs per parameter per token
@@ -345,6 +364,40 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
     in_use |= {k: v / 1e9 for k, v in stats.items() if k in ("peak_bytes_in_use", "bytes_limit")}
     part["memory_GB"] = in_use
     return part
+
+
+class HostTimeline:
+    """Where the host's time goes while the engine runs: in the runner's dispatch (building a step's inputs and
+    enqueueing it: a dispatch that waits on the device shows here), in its collect (waiting for the device to finish
+    a step and reading its tokens back), and the rest (scheduling, outputs). Wraps the runner's two methods on the
+    instance for the `with` block."""
+
+    def __init__(self, runner):
+        self.runner, self.seconds, self.steps = runner, {"dispatch": 0.0, "collect": 0.0}, 0
+
+    def __enter__(self) -> HostTimeline:
+        for name in self.seconds:
+            setattr(self.runner, name, self._timed(name, getattr(self.runner, name)))
+        return self
+
+    def _timed(self, name: str, call):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return call(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+                self.steps += name == "dispatch"
+        return timed
+
+    def __exit__(self, *exc) -> None:
+        for name in self.seconds:
+            delattr(self.runner, name)
+
+    def per_step(self, wall_s: float) -> dict:
+        n = max(self.steps, 1)
+        out = {k: round(v / n * 1e3, 3) for k, v in self.seconds.items()}
+        return out | {"other": round((wall_s - sum(self.seconds.values())) / n * 1e3, 3), "steps": self.steps}
 
 
 def _profile_decode(llm: LLM, prompts: list[dict], batch: int, logdir: Path) -> dict:
@@ -421,6 +474,8 @@ def main() -> None:
                                    "benchmarks/truncate_gguf.py)")
     p.add_argument("--no-profile", action="store_true", help="part 4 without its device profiles")
     p.add_argument("--traces", help="where part 4's profiler traces go (default: OUT/traces)")
+    p.add_argument("--adopt-sweep", action="store_true",
+                   help="part 4 runs with part 2's fastest decode block sizes at its largest shape (run 2 first)")
     p.add_argument("--budget-s", type=float, help="seconds after which no part starts (a lent host's time limit)")
     args = p.parse_args()
     global DEADLINE
@@ -450,6 +505,8 @@ def main() -> None:
     for name, run in sorted(parts.items(), key=lambda kv: args.parts.find(kv[0][0])):  # in --parts' order
         if name[0] not in args.parts:
             continue
+        if name[0] == "4" and args.adopt_sweep:
+            report["adopted_decode_row"] = adopt_sweep_winner(report["parts"].get("2 attention speed", {}), s)
         if time.perf_counter() > DEADLINE:
             report["parts"][name] = {"ok": False, "error": "skipped: --budget-s spent"}
             write(report)

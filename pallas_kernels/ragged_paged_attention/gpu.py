@@ -48,8 +48,9 @@ class BlockSizes:
         return max(1, self.tokens_per_iter // page_size)
 
 
-# (step kind, head_dim) -> block sizes. Decode: a program per (KV head, block of block_q sequences) whose tile
-# has MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
+# (step kind, head_dim) -> block sizes; rows: a program's query rows (block_q tokens x the group's q heads; a tile
+# of fewer than MIN_ROWS is padded to MIN_ROWS). Decode: a program per (KV head, block of block_q sequences) with
+# MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
 # blocks x 64-token blocks of pages. num_splits is set by `block_sizes`. On an H100 (bf16 cache, head_dim 128,
 # 256 sequences x 2048 tokens, 1.44 ms = 44% of HBM bandwidth) the decode row was the fastest of 64/128/256 tokens
 # per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep).
@@ -88,7 +89,7 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_
             group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
             sliding_window: int | None, soft_cap: float | None, normalise: bool):
     b, split = pl.program_id(1), pl.program_id(2)
-    rows, d = q_ref.shape
+    rows, d = q_ref.shape  # block_q * group real rows, then padding up to the tile's MIN_ROWS
     page_size = k_ref.shape[1]
     # bf16/f16 caches: both products on the tensor cores in that type, accumulated in float32 (the usual flash
     # attention recipe); float32 caches: IEEE float32 products (Triton's default would be TF32, ~1e-3 relative).
@@ -97,7 +98,9 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_
         jnp.float32 if k_ref.dtype == jnp.float32 else jnp.bfloat16)
     precision = jax.lax.Precision.HIGHEST if cdt == jnp.float32 else None
     q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(cdt)  # [rows, D]
-    tok = b * block_q + jnp.arange(rows, dtype=jnp.int32) // group  # [rows]
+    row = jnp.arange(rows, dtype=jnp.int32)
+    tok = b * block_q + row // group  # [rows]
+    live = row < block_q * group  # padding rows of a tile wider than the block's queries
     pages_per_split = split_ref[0]  # a multiple of pages_per_iter
 
     def seq_body(s, carry):
@@ -105,7 +108,7 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_
         ctx_start = kv_len - (q_end - q_start)
         lo = jnp.maximum(q_start, b * block_q)
         hi = jnp.minimum(q_end, (b + 1) * block_q)
-        in_seq = (tok >= q_start) & (tok < q_end)
+        in_seq = live & (tok >= q_start) & (tok < q_end)
         q_pos = ctx_start + tok - q_start
         first_page = jnp.int32(0)
         if sliding_window is not None:
@@ -191,14 +194,16 @@ def ragged_paged_attention(
     gp = _pow2(group)
     sizes = sizes or block_sizes(t, num_seqs, kvh, group, d, page_size, max_pages)
     block_q, splits = sizes.block_q, sizes.num_splits
-    if block_q * gp < MIN_ROWS or block_q & (block_q - 1):
-        raise ValueError(f"block_q={block_q} gives {block_q * gp} rows; the tile needs a power of two >= {MIN_ROWS}")
+    if block_q < 1 or block_q & (block_q - 1):
+        raise ValueError(f"block_q must be a power of two, got {block_q}")
     pages_per_iter = sizes.pages_per_iter(page_size)
     num_blocks = -(-t // block_q)
     t_pad = num_blocks * block_q
-    rows = block_q * gp
+    real = block_q * gp
+    rows = max(real, MIN_ROWS)  # a block with fewer query rows than a tile has is padded to one
     qk = jnp.pad(q.reshape(t, kvh, group, d), ((0, t_pad - t), (0, 0), (0, gp - group), (0, 0)))
-    qk = qk.transpose(1, 0, 2, 3).reshape(kvh, t_pad * gp, d)  # [kv_heads, T * group_pow2, D]
+    qk = qk.transpose(1, 0, 2, 3).reshape(kvh, num_blocks, real, d)
+    qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - real), (0, 0))).reshape(kvh, num_blocks * rows, d)
     first, last = block_seq_ranges(query_start_loc, t, block_q)
     # Each split's share of the pages, from the longest context in this step, in whole iterations.
     needed = (jnp.max(kv_lens) + page_size - 1) // page_size
@@ -214,14 +219,14 @@ def ragged_paged_attention(
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda hh, bb, ss: (hh, 0, 0, 0))
     if normalise:
         out_specs = [pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0))]
-        out_shape = [jax.ShapeDtypeStruct((kvh, t_pad * gp, d), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((kvh, num_blocks * rows, d), q.dtype)]
     else:
         out_specs = [pl.BlockSpec((None, None, rows, d), lambda hh, bb, ss: (ss, hh, bb, 0)),
                      pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb)),
                      pl.BlockSpec((None, None, rows), lambda hh, bb, ss: (ss, hh, bb))]
-        out_shape = [jax.ShapeDtypeStruct((splits, kvh, t_pad * gp, d), jnp.float32),
-                     jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32),
-                     jax.ShapeDtypeStruct((splits, kvh, t_pad * gp), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((splits, kvh, num_blocks * rows, d), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, kvh, num_blocks * rows), jnp.float32),
+                     jax.ShapeDtypeStruct((splits, kvh, num_blocks * rows), jnp.float32)]
     outs = pl.pallas_call(
         kernel,
         grid=(kvh, num_blocks, splits),
@@ -240,7 +245,8 @@ def ragged_paged_attention(
         scale = jnp.exp(m - m_all)  # [splits, kv_heads, rows_total]
         denom = (denom * scale).sum(axis=0)
         out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = out.reshape(kvh, t_pad, gp, d)[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
+    out = out.reshape(kvh, num_blocks, rows, d)[:, :, :real].reshape(kvh, t_pad, gp, d)
+    out = out[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return out.astype(q.dtype)
 
 

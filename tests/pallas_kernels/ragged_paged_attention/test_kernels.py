@@ -55,9 +55,10 @@ def test_tpu_kernel_small_pages():
 
 # Block sizes beyond the table's defaults at these small shapes: several pages per iteration (an iteration
 # crossing the end of a context, and its first page cut by a window), flash-decoding splits (3 splits over
-# contexts of 1-8 pages: some splits empty), larger query blocks.
+# contexts of 1-8 pages: some splits empty), larger query blocks, and blocks of 1 or 2 tokens whose 4 or 8 query
+# rows (group 4) are padded to a 16-row tile.
 GPU_SIZES = [gpu.BlockSizes(4, 32, 4, 2, 1), gpu.BlockSizes(4, 64, 4, 2, 3), gpu.BlockSizes(8, 48, 4, 2, 2),
-             gpu.BlockSizes(16, 16, 4, 2, 1)]
+             gpu.BlockSizes(16, 16, 4, 2, 1), gpu.BlockSizes(1, 32, 4, 2, 2), gpu.BlockSizes(2, 16, 4, 2, 1)]
 GPU_CASES = [(kind, sizes, options) for kind in ("decode", "prefill", "mixed") for sizes in GPU_SIZES
              for options in ({}, {"sliding_window": 19, "soft_cap": 5.0})]
 
@@ -128,8 +129,8 @@ def test_gpu_kernel_rejects_shapes_triton_cannot_tile():
     with pytest.raises(ValueError, match="page_size to be a power of two >= 16, got 8"):
         run(gpu.ragged_paged_attention, case)
     case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
-    with pytest.raises(ValueError, match="gives 4 rows"):
-        run(functools.partial(gpu.ragged_paged_attention, sizes=gpu.BlockSizes(2, 16, 4, 2)), case)
+    with pytest.raises(ValueError, match="block_q must be a power of two, got 3"):
+        run(functools.partial(gpu.ragged_paged_attention, sizes=gpu.BlockSizes(3, 16, 4, 2)), case)
 
 
 # Engine-sized shapes: (tokens, sequences, page_size, pages in the cache, dtype); 32 heads / 8 KV heads, D=128.
