@@ -115,7 +115,7 @@ def analyze_bucket(runner, cfg, mesh, bucket, context: int, prompt_len: int) -> 
     start = time.perf_counter()
     lowered = runner._jit.lower(*args)
     mid = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=runner._compiler_options or None)  # as the engine compiles it
     text = compiled.as_text()
     compile_s = time.perf_counter() - mid
     tokens, seqs = bucket

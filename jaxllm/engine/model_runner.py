@@ -33,6 +33,7 @@ from jaxllm.engine.executable_cache import ExecutableCache, step_key
 from jaxllm.engine.sampler import SamplingTensors, sample
 from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Sequence
+from jaxllm.engine.step_options import step_compiler_options
 from jaxllm.engine.structured_output import bitmask_width, fill_bitmask
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
@@ -166,6 +167,7 @@ class ModelRunner:
         self.params, state_def = jax.tree.flatten(state)
         self._graphdef = graphdef
         self._jit = jax.jit(functools.partial(_step, graphdef, state_def, generates, pools), donate_argnums=(1,))
+        self._compiler_options = step_compiler_options(model.kernels.platform)
         self.executable_cache = executable_cache
         self._executables: dict[tuple[int, int], jax.stages.Compiled] = {}
         self._build_lock = threading.Lock()  # builds run on a pool; the dict has one writer at a time
@@ -275,7 +277,7 @@ class ModelRunner:
             lowered = traced.lower()
             t2 = time.perf_counter()
             hits = compile_monitor.thread_cache_hits()
-            compiled = lowered.compile()
+            compiled = lowered.compile(compiler_options=self._compiler_options or None)
             report = BucketBuild(bucket, "compiled", trace_s=t1 - start, lower_s=t2 - t1,
                                  compile_s=time.perf_counter() - t2)
             if compile_monitor.thread_cache_hits() > hits:

@@ -24,7 +24,9 @@ def block_seq_ranges(query_start_loc: jax.Array, num_tokens: int, block_q: int) 
     start = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
     end = jnp.minimum(start + block_q, total) - 1  # last real token of the block
     ends = query_start_loc[1:]
-    first = jnp.searchsorted(ends, start, side="right").astype(jnp.int32)
-    last = jnp.searchsorted(ends, end, side="right").astype(jnp.int32)
+    # compare_all: one [num_blocks, S] comparison, no loop. The default binary search is a while loop, which
+    # XLA:GPU ran as host-side iterations that each waited for the device (the step's dispatch then blocked).
+    first = jnp.searchsorted(ends, start, side="right", method="compare_all").astype(jnp.int32)
+    last = jnp.searchsorted(ends, end, side="right", method="compare_all").astype(jnp.int32)
     empty = start >= total
     return jnp.where(empty, 1, first), jnp.where(empty, 0, last)

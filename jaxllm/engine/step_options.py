@@ -1,0 +1,24 @@
+"""The XLA options the engine's step is compiled with, per platform.
+
+On a GPU, XLA runs a step's kernels as CUDA graphs (command buffers). A conditional (the sampler's branches,
+prompt logprobs) or a while loop left outside a graph runs as a host-side thunk: the host copies the predicate
+back and waits for the device. Dispatching a step then returned only once the device had run it, and async
+scheduling could not overlap the host's next step with the device (an H100 with jax 0.11.2: 10.9 ms of a batch-1
+decode step spent in dispatch, the whole step; `benchmarks/device_check.py`'s host timeline). So:
+- conditionals and while loops are recorded as graph nodes (CUDA 12.3+ conditional nodes; XLA drops the two
+  kinds where the driver lacks them), the predicate staying on the device;
+- sorts are XLA's own kernels, not CUB's radix sort: a CUB sort is a custom call no graph can hold, and one in a
+  branch (the top-k/top-p filter, logprob ranks, prompt logprobs) kept its whole conditional out of the graph.
+"""
+
+from __future__ import annotations
+
+GPU_OPTIONS: dict[str, str | bool] = {
+    "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE",
+    "xla_gpu_enable_cub_radix_sort": False,
+}
+
+
+def step_compiler_options(platform: str) -> dict[str, str | bool]:
+    """XLA debug options for `jax.stages.Lowered.compile` of a step on `platform` (a `jaxllm.kernels` platform)."""
+    return dict(GPU_OPTIONS) if platform == "gpu" else {}
