@@ -43,7 +43,8 @@ H100_TARGET = """gpu_device_info { threads_per_block_limit: 1024 threads_per_war
   shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
   block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: 3352320000000
   l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: 84929347584 shared_memory_per_block_optin: 232448
-  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536 }
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+  driver_version: "12.8.0" }
   platform_name: "CUDA" dnn_version_info { major: 9 minor: 7 } runtime_version { major: 12 minor: 8 patch: 0 }
   device_description_str: "NVIDIA H100 80GB HBM3" """
 PRESET = "llama-3.1-8b-h100"
