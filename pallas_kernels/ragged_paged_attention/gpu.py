@@ -53,7 +53,9 @@ class BlockSizes:
 # MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
 # blocks x 64-token blocks of pages. num_splits is set by `block_sizes`. On an H100 (bf16 cache, head_dim 128,
 # 256 sequences x 2048 tokens, 1.44 ms = 44% of HBM bandwidth) the decode row was the fastest of 64/128/256 tokens
-# per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep).
+# per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep). A later sweep of 1, 2 and 4
+# sequences per program x 32/64/128 tokens x 2/3 stages put all 20 rows at 1.35-1.71 ms, within that run's noise
+# (+-15% between rows that differ in nothing measurable), so the row stands.
 BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
     ("decode", 64): (MIN_ROWS, 128, 4, 2),
     ("decode", 128): (MIN_ROWS, 128, 4, 2),
