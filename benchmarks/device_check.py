@@ -220,9 +220,9 @@ def adopt_sweep_winner(part2: dict, s: Sizes) -> dict | None:
         return None
     best = min(rows, key=lambda r: r["ms"])
     h, kvh, d = s.heads
-    key = ("decode", min(256, max(64, gpu._pow2(d))))
-    gpu.BLOCK_TABLE[key] = (best["block_q"] * gpu._pow2(h // kvh), best["tokens_per_iter"], best["num_warps"],
-                            best["num_stages"])
+    key = gpu.table_key("decode", d)
+    table_rows = best["block_q"] * gpu._pow2(h // kvh)  # tokens x the group, padded as the kernel pads it
+    gpu.BLOCK_TABLE[key] = (table_rows, best["tokens_per_iter"], best["num_warps"], best["num_stages"])
     return {"key": list(key), "row": list(gpu.BLOCK_TABLE[key]), "from": best}
 
 

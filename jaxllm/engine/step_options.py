@@ -5,8 +5,8 @@ prompt logprobs) or a while loop left outside a graph runs as a host-side thunk:
 back and waits for the device. Dispatching a step then returned only once the device had run it, and async
 scheduling could not overlap the host's next step with the device (an H100 with jax 0.11.2: 10.9 ms of a batch-1
 decode step spent in dispatch, the whole step; `benchmarks/device_check.py`'s host timeline). So:
-- conditionals and while loops are recorded as graph nodes (CUDA 12.3+ conditional nodes; XLA drops the two
-  kinds where the driver lacks them), the predicate staying on the device;
+- conditionals and while loops are recorded as graph nodes (CUDA graph conditional nodes: XLA needs a 12.3+
+  driver for them), the predicate staying on the device;
 - sorts are XLA's own kernels, not CUB's radix sort: a CUB sort is a custom call no graph can hold, and one in a
   branch (the top-k/top-p filter, logprob ranks, prompt logprobs) kept its whole conditional out of the graph.
 """

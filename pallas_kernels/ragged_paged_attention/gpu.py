@@ -55,7 +55,7 @@ class BlockSizes:
 # 256 sequences x 2048 tokens, 1.44 ms = 44% of HBM bandwidth) the decode row was the fastest of 64/128/256 tokens
 # per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep). A later sweep of 1, 2 and 4
 # sequences per program x 32/64/128 tokens x 2/3 stages put all 20 rows at 1.35-1.71 ms, within that run's noise
-# (+-15% between rows that differ in nothing measurable), so the row stands.
+# (the table's own row timed 1.59 and 1.76 ms in two runs), so the row stands.
 BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
     ("decode", 64): (MIN_ROWS, 128, 4, 2),
     ("decode", 128): (MIN_ROWS, 128, 4, 2),
@@ -70,6 +70,11 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def table_key(kind: str, head_dim: int) -> tuple[str, int]:
+    """`BLOCK_TABLE`'s key for a step kind ("decode" or "prefill") and head_dim."""
+    return kind, min(256, max(64, _pow2(head_dim)))
+
+
 def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, head_dim: int, page_size: int,
                 max_pages: int, sm_count: int = SM_COUNT) -> BlockSizes:
     """The block sizes for a step's static shapes: the table's row for (decode or prefill, head_dim), and, for a
@@ -77,7 +82,7 @@ def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     sequences x 1024 tokens: 8 splits 0.60 ms, 1-4 splits 0.67-0.74 ms, 16 splits 0.89 ms;
     `benchmarks/device_check.py`'s sweep)."""
     kind = "decode" if num_tokens <= num_seqs else "prefill"
-    rows, tokens_per_iter, warps, stages = BLOCK_TABLE[(kind, min(256, max(64, _pow2(head_dim))))]
+    rows, tokens_per_iter, warps, stages = BLOCK_TABLE[table_key(kind, head_dim)]
     block_q = max(1, rows // _pow2(group))
     splits = 1
     programs = num_kv_heads * -(-num_seqs // block_q)
