@@ -6,7 +6,9 @@ the step a TPU or GPU runs, with the native kernels. Every rule lives here:
 
 - "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32,
   float16 and bfloat16 caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for
-  float32, else XLA's dot.
+  float32, else XLA's dot. The ``cpu`` matmul multiplies quantized weights by int8 activations with the widest
+  integer dot product the host has (`pallas_kernels.quantized_matmul.isa`; ``JAXLLM_CPU_INT8_ISA=none``: float
+  activations).
 - Tensor parallelism on CPU takes the references: the CPU kernels are opaque custom calls that GSPMD cannot
   split by heads or rows.
 - A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);
@@ -36,6 +38,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.sharding import TP_AXIS
+from pallas_kernels.quantized_matmul import isa as int8_isa
+from pallas_kernels.quantized_matmul.isa import ISAS as INT8_ISAS
 from pallas_kernels.ragged_paged_attention.cpu import CACHE_DTYPES as CPU_CACHE_DTYPES
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
@@ -61,12 +65,15 @@ class Kernels:
     interpret: bool = False  # a Pallas attention kernel in the interpreter (off its platform)
     mesh: Mesh | None = None  # with a tp axis of more than one device: the attention kernel runs per device
     layer_loop: str = "scan"  # scan | unrolled: how a stacked model runs its layers
+    int8_isa: str | None = None  # the cpu quantized matmul's integer path (activations in int8); None: float
 
     def __post_init__(self):
         if (self.attention not in ATTENTION_IMPLS[1:] or self.matmul not in MATMUL_IMPLS[1:]
-                or self.layer_loop not in LAYER_LOOPS[1:]):
+                or self.layer_loop not in LAYER_LOOPS[1:] or self.int8_isa not in (None, *INT8_ISAS)):
             raise ValueError(f"Kernels holds chosen implementations, not {self.attention!r} / {self.matmul!r} / "
-                             f"{self.layer_loop!r}")
+                             f"{self.layer_loop!r} / {self.int8_isa!r}")
+        if self.int8_isa is not None and self.matmul != "cpu":
+            raise ValueError("an int8 path is the cpu matmul's")
         normalize_platform(self.platform)
 
 
@@ -103,8 +110,10 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
         raise ValueError(f"the cpu attention kernel reads float32, float16 or bfloat16 caches, not {kv_dtype.name}")
     if interpret is None:
         interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
+    # the integer path of this host (the step runs where it is built: the cpu kernels run on CPU only)
+    isa = int8_isa.best() if matmul_impl == "cpu" else None
     return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None,
-                   layer_loop)
+                   layer_loop, isa)
 
 
 def _write_then(attention: Callable) -> Callable:
@@ -169,13 +178,13 @@ def matmul_kernel(kernels: Kernels) -> Callable:
 @functools.cache
 def quantized_matmul_kernel(kernels: Kernels) -> Callable:
     """``(x [..., in], w: QuantizedWeight, fmt, layer=None) -> [..., out]``, the matmul against quantized weights
-    (`pallas_kernels.quantized_matmul`): with the "cpu" matmul, the CPU kernel (decode-sized steps; XLA on row
-    tiles for more rows); otherwise the reference, XLA's dot on weights dequantized in the step (fused on GPU and
+    (`pallas_kernels.quantized_matmul`): with the "cpu" matmul, the CPU kernel (every step shape; on int8
+    activations with the host's integer path, `Kernels.int8_isa`); otherwise the reference, XLA's dot on weights dequantized in the step (fused on GPU and
     TPU)."""
     if kernels.matmul == "cpu":
         from pallas_kernels.quantized_matmul.cpu import matmul, register
         if jax.default_backend() == "cpu":
-            register()  # now, not when first traced: a step loaded from the executable cache is never traced
-        return matmul
+            register(kernels.int8_isa)  # now, not when first traced: a cached step is never traced
+        return functools.partial(matmul, isa=kernels.int8_isa)
     from pallas_kernels.quantized_matmul.reference import matmul
     return matmul

@@ -184,7 +184,16 @@ def symbol(name: str, function: bool = False):
                     ir.GlobalVariable(builder.module, ir.IntType(64), name)
             return builder.ptrtoint(g, ir.IntType(64))
         return types.int64(), codegen
-    return address
+    return stable_key(address, "symbol", name, function)
+
+
+def stable_key(intr, *key):
+    """Gives the numba intrinsic `intr`, built by a factory from the parameters `key`, an id derived from them (and
+    returns it). numba's disk cache keys a function by pickling its closure, and an intrinsic pickles with its id,
+    a fresh uuid in every process by default: a kernel whose loops close over intrinsics would miss the cache,
+    compile again and add an entry, in every process. `key` must tell apart every intrinsic of the process."""
+    intr._set_uuid("jaxllm-" + hashlib.sha256(repr(key).encode()).hexdigest()[:32])
+    return intr
 
 
 def export_symbol(name: str, address: int) -> None:

@@ -1,10 +1,14 @@
-"""The quantized matmul on CPU: an XLA FFI custom call into `cpu_kernel` for every step shape (decode, batches,
-prefill chunks), its row chunks shared between the calling thread and XLA's thread pool like the float32 skinny
-kernel's. One kernel for every row count is what makes quantized outputs batch invariant: a row's result is
-bit-identical whether its step has 1 row or 4096, where switching to XLA's dot above some size would round
-differently; for prefill-sized steps the kernel (weights dequantized into L1 once per block of rows, input rows
-in L2-sized blocks) runs as fast as XLA's dot on dequantized tiles (`benchmarks/quantized_matmul.py`). Inputs
-it does not take (not float32, or rows not a multiple of 32 values) run `reference.tiled_matmul`."""
+"""The quantized matmul on CPU: an XLA FFI custom call for every step shape (decode, batches, prefill chunks), its
+row chunks shared between the calling thread and XLA's thread pool like the float32 skinny kernel's.
+
+Two kernels, one per kind of activation:
+- `cpu_int8_kernel` (with an integer dot-product path, `isa`): the activations quantized per 32 values to int8
+  in the step (`activations`), integer dot products against the weights' own integers, as llama.cpp does;
+- `cpu_kernel` (float activations): each weight dequantized to float32 and multiplied by the float input.
+Either runs one kernel for every row count, which is what makes quantized outputs batch invariant: a row's
+result is bit-identical whether its step has 1 row or 4096 (switching to XLA's dot above some size would round
+differently). Inputs a kernel does not take (not float32, rows not a multiple of its blocks, an int8 path for a
+format it does not cover) run the float kernel, or `reference.tiled_matmul`."""
 
 from __future__ import annotations
 
@@ -12,10 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.quantized_matmul import activations
 from pallas_kernels.quantized_matmul.format import QuantFormat, QuantizedWeight
 from pallas_kernels.quantized_matmul.reference import tiled_matmul
 
 TARGET = "jaxllm_cpu_quantized_matmul"
+
+
+def int8_target(isa: str) -> str:
+    return f"jaxllm_cpu_q8act_matmul_{isa}"
 
 
 def _load_handler():
@@ -23,15 +32,26 @@ def _load_handler():
     return handler
 
 
-def register() -> None:
-    """Loads the kernel (compiled by numba, or from its disk cache) and registers the FFI target, once per process."""
+def register(isa: str | None = None) -> None:
+    """Loads the float kernel (compiled by numba, or from its disk cache), and `isa`'s int8 kernel if given, and
+    registers their FFI targets, once per process."""
     from pallas_kernels.cpu_ffi import register_once
     register_once(TARGET, _load_handler)
+    if isa is not None:
+        from pallas_kernels.quantized_matmul.cpu_int8_kernel import handler
+        register_once(int8_target(isa), lambda: handler(isa))
 
 
 def applies(x: jax.Array) -> bool:
     rows = int(np.prod(x.shape[:-1]))
     return x.dtype == jnp.float32 and rows > 0 and x.shape[-1] % 32 == 0  # pairs of 16-value chunks
+
+
+def int8_applies(x: jax.Array, fmt: QuantFormat) -> bool:
+    """The int8 kernel takes pairs of 32-value blocks, and weight groups it can line up with them: 16 values (a
+    block's two halves; symmetric only: offsets are applied per block), 32 or more, or a row."""
+    return applies(x) and x.shape[-1] % 64 == 0 and (fmt.group in (0, 16) or fmt.group >= 32) and not (
+        fmt.group == 16 and fmt.affine)
 
 
 def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G], [L, out, G or 0], [] -> [T, out]
@@ -40,9 +60,20 @@ def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G]
     return jax.ffi.ffi_call(TARGET, out)(x, data, scale, offset, layer)
 
 
-def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array | None = None) -> jax.Array:
+def _int8_kernel(isa, x, data, scale, offset, layer):
+    """The kernel quantizes x itself (as `activations.quantize`), into scratch outputs it returns and the step
+    drops: one custom call, not an XLA fusion before each matmul."""
+    register(isa)
+    t, n = x.shape
+    out = (jax.ShapeDtypeStruct((t, data.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, n), jnp.int8),
+           *[jax.ShapeDtypeStruct((t, n // activations.BLOCK), jnp.float32)] * 2)
+    return jax.ffi.ffi_call(int8_target(isa), out)(x, data, scale, offset, layer)[0]
+
+
+def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array | None = None, *,
+           isa: str | None = None) -> jax.Array:
     """x [..., in] @ dequantize(w)[out, in]^T -> [..., out]; with `layer`, w's arrays are stacks [layers, ...]
-    read in place at `layer`. The kernel for float32 inputs; tiles through XLA otherwise."""
+    read in place at `layer`. isa: the int8 kernel's path (`isa.best()`), None for float activations."""
     if not applies(x):
         return tiled_matmul(x, w, fmt, layer)
     data, scale, offset = w
@@ -51,5 +82,9 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     if layer is None:
         data, scale, offset = data[None], scale[None], offset[None]
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
-    y = _kernel(x.reshape(-1, x.shape[-1]), data, scale, offset, index)
+    x2 = x.reshape(-1, x.shape[-1])
+    if isa is not None and int8_applies(x, fmt):
+        y = _int8_kernel(isa, x2, data, scale, offset, index)
+    else:
+        y = _kernel(x2, data, scale, offset, index)
     return y.reshape(*x.shape[:-1], data.shape[1])

@@ -1,0 +1,509 @@
+"""The CPU quantized matmul on int8 activations: integer dot products of the weights' 4- or 8-bit values with the
+activations' int8 blocks (`activations`), one path per instruction set (`isa`), numba loops around LLVM IR.
+
+The arithmetic, for output (row r, input t), is the same on every path, for every row count and thread split:
+- per pair of 32-value blocks (64 values), 16 exact int32 lanes, lane j the sum of the products of values
+  4j..4j+3 (`_lanes`: vpdpbusd, or vpmaddubsw + vpmaddwd);
+- those lanes, converted to float, times the pair's scales ``w_scale * x_d`` (a lane's own group: [s0 x8, s1 x8]
+  for groups of 32, [s0 x4 .. s3 x4] for 16, one scale for coarser groups) added into one 16-float accumulator
+  with llvm.fma, pair after pair; the accumulator summed by a fixed tree;
+- then, for formats with an offset (affine groups; symmetric 4-bit's -8 * scale), ``sum(offset * x_s)`` over the
+  row's blocks, 16 blocks to a vector and the rest one by one, added last.
+Unsigned weights (4-bit, 0..15) meet the activations as they are; signed 8-bit weights as |w| against x with w's
+sign (so every int16 pair stays under 2 * 128 * 127 on the avx2 path). A decode step (one input) and bigger
+steps run the same function: 4 weight rows are unpacked once per pair and meet up to TOKS inputs, whose blocks
+are shared by the 4 rows. Memory traffic is the packed weights and the int8 inputs."""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pallas_kernels.cpu_ffi import drop_stale_cache
+
+drop_stale_cache(__file__)
+
+from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    F16,
+    HANDLER,
+    U8,
+    buffer,
+    buffer_dtype,
+    dim,
+    export_symbol,
+    is_execute,
+    launch,
+    load32,
+    load64,
+    prefetch,
+    stable_key,
+    symbol,
+    to_int,
+    to_ptr,
+)
+from pallas_kernels.quantized_matmul import isa as isa_mod  # noqa: E402
+
+_KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
+
+_F32, _HALF = ir.FloatType(), ir.HalfType()
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_V = ir.VectorType(_F32, 16)
+_VL = ir.VectorType(_I32, 16)  # the 16 int32 lanes of a pair
+_VB = ir.VectorType(_I8, 64)  # a pair's 64 byte values
+
+
+def _c(v):
+    return ir.Constant(_I64, v)
+
+
+def _mask(indices):
+    return ir.Constant(ir.VectorType(_I32, len(indices)), list(indices))
+
+
+def _ptr(b, addr, ty, offset=None):
+    if offset is not None:
+        addr = b.add(addr, offset if not isinstance(offset, int) else _c(offset))
+    return b.inttoptr(addr, ty.as_pointer())
+
+
+def _load(b, addr, ty, offset=None, align=1):
+    return b.load(_ptr(b, addr, ty, offset), align=align)
+
+
+def _fn(b, name, ret, args):
+    return cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, args), name)
+
+
+def _split(b, v, parts):
+    """v's elements in `parts` equal consecutive pieces."""
+    n = v.type.count // parts
+    return [b.shuffle_vector(v, v, _mask(range(i * n, (i + 1) * n))) for i in range(parts)]
+
+
+def _join(b, pieces):
+    while len(pieces) > 1:
+        n = pieces[0].type.count
+        pieces = [b.shuffle_vector(pieces[i], pieces[i + 1], _mask(range(2 * n))) for i in range(0, len(pieces), 2)]
+    return pieces[0]
+
+
+def _lanes(b, isa, u, s, start=None):
+    """start + u (<64 x i8>, unsigned) . s (<64 x i8>, signed) -> <16 x i32>, lane j = start's lane j plus the sum of
+    products 4j..4j+3 (start: <16 x i32> or None for zeros; the VNNI paths only)."""
+    start = ir.Constant(_VL, [0] * 16) if start is None else start
+    if isa == "vnni512":
+        fn = _fn(b, "llvm.x86.avx512.vpdpbusd.512", _VL, [_VL, _VL, _VL])
+        return b.call(fn, [start, b.bitcast(u, _VL), b.bitcast(s, _VL)])
+    v8 = ir.VectorType(_I32, 8)
+    out = []
+    for uh, sh, st in zip(_split(b, u, 2), _split(b, s, 2), _split(b, start, 2), strict=True):  # <32 x i8> halves
+        if isa == "vnni256":
+            fn = _fn(b, "llvm.x86.avx512.vpdpbusd.256", v8, [v8, v8, v8])
+            out.append(b.call(fn, [st, b.bitcast(uh, v8), b.bitcast(sh, v8)]))
+        else:
+            v16 = ir.VectorType(_I16, 16)
+            pairs = b.call(_fn(b, "llvm.x86.avx2.pmadd.ub.sw", v16, [uh.type, sh.type]), [uh, sh])
+            out.append(b.call(_fn(b, "llvm.x86.avx2.pmadd.wd", v8, [v16, v16]), [pairs, ir.Constant(v16, [1] * 16)]))
+    return _join(b, out)
+
+
+def _fma(b, x, y, z):
+    return b.call(_fn(b, "llvm.fma.v16f32", _V, [_V, _V, _V]), [x, y, z])
+
+
+def _floats(b, addr, count, half, offset=None):
+    """`count` consecutive scales at addr (float16 bits or float32) as a <count x float>."""
+    if half:
+        raw = _load(b, addr, ir.VectorType(_HALF, count), offset, align=2)
+        return b.fpext(raw, ir.VectorType(_F32, count))
+    return _load(b, addr, ir.VectorType(_F32, count), offset, align=4)
+
+
+def _spread(b, v):
+    """<k x float> -> <16 x float>, each value repeated over 16 / k consecutive lanes."""
+    k = v.type.count
+    return b.shuffle_vector(v, v, _mask([i // (16 // k) for i in range(16)]))
+
+
+def _hsum(b, v):
+    """A fixed-order sum of the 16 lanes: halves added until one lane is left."""
+    width = 16
+    while width > 1:
+        width //= 2
+        lo, hi = (b.shuffle_vector(v, v, _mask(range(s, s + width))) for s in (0, width))
+        v = b.fadd(lo, hi)
+    return b.extract_element(v, ir.Constant(_I32, 0))
+
+
+def _for(b, count, carried, body):
+    """for i in range(count): carried = body(i, carried); returns the final carried values."""
+    pre = b.block
+    head, loop, done = (b.append_basic_block(name) for name in ("head", "loop", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(_I64)
+    i.add_incoming(_c(0), pre)
+    phis = []
+    for v in carried:
+        phi = b.phi(v.type)
+        phi.add_incoming(v, pre)
+        phis.append(phi)
+    b.cbranch(b.icmp_signed("<", i, count), loop, done)
+    b.position_at_end(loop)
+    new = body(i, phis)
+    i.add_incoming(b.add(i, _c(1)), b.block)
+    for phi, v in zip(phis, new, strict=True):
+        phi.add_incoming(v, b.block)
+    b.branch(head)
+    b.position_at_end(done)
+    return phis
+
+
+# Scale layouts: per 16 values (GGUF Q6_K), per 32 (most), per 64 or more / per row (one scale a pair: its index
+# is the pair's first value >> log2(group), 63 for per-row).
+G16, G32, COARSE = 0, 1, 2
+
+
+def _dots(isa, bits, half, scale_mode, rows, toks):
+    @intrinsic
+    def dots(typingctx, data, data_stride, scale, scale_stride, xq, xq_stride, xd, xd_stride, n, group, y, y_stride):
+        """y at y + j * y_stride + 4 * k (float32) = the integer part of row k . input j (k < rows, j < toks):
+        the pairs' lanes times their scales, summed (no offset term yet)."""
+        def codegen(context, b, sig, args):
+            data, data_stride, scale, scale_stride, xq, xq_stride, xd, xd_stride, n, group, y, y_stride = args
+            size = 2 if half else 4
+            zero = ir.Constant(_V, [0.0] * 16)
+
+            def body(p, accs):
+                xs, ds, starts = [], [], []
+                for j in range(toks):
+                    xs.append(_load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64))))
+                    ds.append(_spread(b, _floats(b, b.add(xd, b.mul(_c(j), xd_stride)), 2, False, b.mul(p, _c(8)))))
+                    if bits == 8 and isa != "avx2":
+                        sums = _lanes(b, isa, ir.Constant(_VB, [1] * 64), xs[j], None)
+                        starts.append(b.mul(sums, ir.Constant(_VL, [-128] * 16)))
+                    else:
+                        starts.append(None)
+                out = list(accs)
+                for k in range(rows):
+                    row = b.add(data, b.mul(_c(k), data_stride))
+                    srow = b.add(scale, b.mul(_c(k), scale_stride))
+                    if bits == 4:
+                        raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
+                        lo = b.and_(raw, ir.Constant(raw.type, [15] * 32))
+                        hi = b.lshr(raw, ir.Constant(raw.type, [4] * 32))
+                        u = b.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32),
+                                                            *range(48, 64)]))
+                        negative = None
+                    elif isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
+                        w = _load(b, row, _VB, b.mul(p, _c(64)))
+                        negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
+                        u = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w)
+                    else:  # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
+                        w = _load(b, row, _VB, b.mul(p, _c(64)))
+                        u = b.xor(w, ir.Constant(_VB, [-128] * 64))
+                        negative = None
+                    if scale_mode == G16:
+                        sw = _spread(b, _floats(b, srow, 4, half, b.mul(p, _c(4 * size))))
+                    elif scale_mode == G32:
+                        sw = _spread(b, _floats(b, srow, 2, half, b.mul(p, _c(2 * size))))
+                    else:
+                        index = b.lshr(b.mul(p, _c(64)), group)
+                        sw = _spread(b, _floats(b, srow, 1, half, b.mul(index, _c(size))))
+                    for j in range(toks):
+                        s = xs[j] if negative is None else b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), xs[j]),
+                                                                   xs[j])
+                        lanes = b.sitofp(_lanes(b, isa, u, s, starts[j]), _V)
+                        i = j * rows + k
+                        out[i] = _fma(b, lanes, b.fmul(sw, ds[j]), accs[i])
+                return out
+
+            accs = _for(b, b.udiv(n, _c(64)), [zero] * (rows * toks), body)
+            for j in range(toks):
+                yj = b.add(y, b.mul(_c(j), y_stride))
+                for k in range(rows):
+                    b.store(_hsum(b, accs[j * rows + k]), _ptr(b, yj, _F32, 4 * k), align=4)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 12), codegen
+    return stable_key(dots, __name__, "dots", isa, bits, half, scale_mode, rows, toks)
+
+
+# Offset terms: none (8-bit symmetric), -8 * scale per 32 (4-bit symmetric), an offset per 32 (affine), an offset
+# per 64 or more / per row (affine groups from a join: index = block >> (log2(group) - 5)).
+NO_OFFSET, NEG8, AFFINE32, AFFINE_COARSE = 0, 1, 2, 3
+
+
+def _offset_term(half, mode):
+    @intrinsic
+    def offset_term(typingctx, values, xs, blocks, shift, y):
+        """*y += sum over the row's blocks b of offset(b) * xs[b] (values: the row's offsets, or its scales for
+        NEG8); 16 blocks to a vector, then the rest in order, then the vector's fixed-order sum first."""
+        def codegen(context, b, sig, args):
+            values, xs, blocks, shift, y = args
+            size = 2 if half else 4
+
+            def vec_body(i, acc):
+                at = b.mul(i, _c(16))
+                v = _floats(b, values, 16, half, b.mul(at, _c(size)))
+                if mode == NEG8:
+                    v = b.fmul(v, ir.Constant(_V, [-8.0] * 16))
+                return [_fma(b, v, _load(b, xs, _V, b.mul(at, _c(4)), align=4), acc[0])]
+
+            def scalar(i, acc):
+                index = b.lshr(i, shift) if mode == AFFINE_COARSE else i
+                v = b.extract_element(_floats(b, values, 1, half, b.mul(index, _c(size))), ir.Constant(_I32, 0))
+                if mode == NEG8:
+                    v = b.fmul(v, ir.Constant(_F32, -8.0))
+                x = _load(b, xs, _F32, b.mul(i, _c(4)), align=4)
+                fma = _fn(b, "llvm.fma.f32", _F32, [_F32, _F32, _F32])
+                return [b.call(fma, [v, x, acc[0]])]
+
+            vectors = _c(0) if mode == AFFINE_COARSE else b.udiv(blocks, _c(16))
+            acc = _for(b, vectors, [ir.Constant(_V, [0.0] * 16)], vec_body)[0]
+            start = b.mul(vectors, _c(16))
+            tail = _for(b, b.sub(blocks, start), [ir.Constant(_F32, 0.0)],
+                        lambda i, a: scalar(b.add(i, start), a))[0]
+            yp = _ptr(b, y, _F32)
+            b.store(b.fadd(b.load(yp, align=4), b.fadd(_hsum(b, acc), tail)), yp, align=4)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 5), codegen
+    return stable_key(offset_term, __name__, "offset_term", half, mode)
+
+
+@intrinsic
+def _quantize_row(typingctx, x, n, q, d, s):
+    """One input row of n float32 at x -> its int8 blocks: q (n int8), d and s (n / 32 float32), exactly as
+    `activations.quantize` computes them: d = max|x| / 127, q = round-half-even(x * (1 / d)) clamped to
+    [-127, 127] (0 where d is 0), s = d * sum(q)."""
+    def codegen(context, b, sig, args):
+        x, n, q, d, s = args
+        v16i8, v16i32 = ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
+
+        def body(i, carried):
+            halves = [_load(b, x, _V, b.add(b.mul(i, _c(128)), _c(64 * h)), align=4) for h in (0, 1)]
+            fabs = _fn(b, "llvm.fabs.v16f32", _V, [_V])
+            a, c = (b.call(fabs, [h]) for h in halves)
+            m = b.select(b.fcmp_ordered(">", c, a), c, a)
+            width = 16
+            while width > 1:  # max is exact: any order gives the same value
+                width //= 2
+                lo, hi = (b.shuffle_vector(m, m, _mask(range(k, k + width))) for k in (0, width))
+                m = b.select(b.fcmp_ordered(">", hi, lo), hi, lo)
+            amax = b.extract_element(m, ir.Constant(_I32, 0))
+            dd = b.fdiv(amax, ir.Constant(_F32, 127.0))
+            positive = b.fcmp_ordered(">", dd, ir.Constant(_F32, 0.0))
+            inv = b.select(positive, b.fdiv(ir.Constant(_F32, 1.0), dd), ir.Constant(_F32, 0.0))
+            inv_v = b.shuffle_vector(b.insert_element(ir.Constant(_V, None), inv, ir.Constant(_I32, 0)),
+                                     ir.Constant(_V, None), _mask([0] * 16))
+            total = ir.Constant(v16i32, [0] * 16)
+            for h, half in enumerate(halves):
+                r = b.call(_fn(b, "llvm.roundeven.v16f32", _V, [_V]), [b.fmul(half, inv_v)])
+                r = b.call(_fn(b, "llvm.minnum.v16f32", _V, [_V, _V]), [r, ir.Constant(_V, [127.0] * 16)])
+                r = b.call(_fn(b, "llvm.maxnum.v16f32", _V, [_V, _V]), [r, ir.Constant(_V, [-127.0] * 16)])
+                qi = b.fptosi(r, v16i32)
+                total = b.add(total, qi)
+                b.store(b.trunc(qi, v16i8), _ptr(b, q, v16i8, b.add(b.mul(i, _c(32)), _c(16 * h))), align=1)
+            width = 16
+            while width > 1:  # integer: exact in any order
+                width //= 2
+                lo, hi = (b.shuffle_vector(total, total, _mask(range(k, k + width))) for k in (0, width))
+                total = b.add(lo, hi)
+            qsum = b.sitofp(b.extract_element(total, ir.Constant(_I32, 0)), _F32)
+            b.store(dd, _ptr(b, d, _F32, b.mul(i, _c(4))), align=4)
+            b.store(b.fmul(dd, qsum), _ptr(b, s, _F32, b.mul(i, _c(4))), align=4)
+            return []
+        _for(b, b.udiv(n, _c(32)), [], body)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 5), codegen
+
+
+QUANTIZE_ROWS = 16  # input rows a chunk of the quantizing launch
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True, error_model="numpy", boundscheck=False)
+def _quantize_chunk(words, c):
+    x, q, d, s, t, n = load64(words), load64(words + 8), load64(words + 16), load64(words + 24), \
+        load64(words + 32), load64(words + 40)
+    blocks = n // 32
+    for row in range(c * QUANTIZE_ROWS, min(t, (c + 1) * QUANTIZE_ROWS)):
+        _quantize_row(x + 4 * n * row, n, q + n * row, d + 4 * blocks * row, s + 4 * blocks * row)
+
+
+export_symbol("jaxllm_cpu_q8act_quantize_chunk", _quantize_chunk.address)
+_quantize_chunk_fn = symbol("jaxllm_cpu_q8act_quantize_chunk", True)
+
+
+ROWS_PER_CHUNK = 16
+
+
+@numba.njit(inline="always", **_KW)
+def _chunk_args(words, chunk):
+    o = load64(words + 72)
+    r0 = chunk * ROWS_PER_CHUNK
+    return (load64(words), load64(words + 8), load64(words + 16), load64(words + 24), load64(words + 32),
+            load64(words + 40), load64(words + 48), load64(words + 56), load64(words + 64), o, load64(words + 80),
+            load64(words + 88), load64(words + 96), r0, min(o, r0 + ROWS_PER_CHUNK))
+
+
+TOKS = {"vnni512": 4, "vnni256": 2, "avx2": 2}  # inputs per pass over 4 weight rows (the registers they take)
+PREFETCH_ROWS = 16
+X_BLOCK_BYTES = 1 << 17
+
+
+def _chunk(isa, bits, half):
+    """The loop over a chunk's output rows for one instruction set and data layout: ``chunk(words, c)``, a numba
+    cfunc's body. Its closure holds only intrinsics, which numba's disk cache keys by their definitions (a
+    dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache entry, every process)."""
+    toks = TOKS[isa]
+    v = {(m, r, t): _dots(isa, bits, half, m, r, t) for m in (G16, G32, COARSE) for r in (4, 1) for t in (toks, 1)}
+    g16_4m, g16_41, g16_1m, g16_11 = (v[G16, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
+    g32_4m, g32_41, g32_1m, g32_11 = (v[G32, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
+    gc_4m, gc_41, gc_1m, gc_11 = (v[COARSE, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
+    off_neg8, off_aff32, off_coarse = (_offset_term(half, m) for m in (NEG8, AFFINE32, AFFINE_COARSE))
+
+    def chunk(words, c):
+        """y[:, r0:r1] = the int8 product of the inputs' blocks and rows r0:r1 of W, for the chunk's rows
+        (addresses; xq [t, n] int8, xd and xs [t, n / 32] float32, data [o, p] bytes, scale / offset [o, groups]
+        / [o, offset_groups], y [t, o] float32)."""
+        xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1 = _chunk_args(words, c)
+        size = 2 if half else 4
+        blocks = n // 32
+        group = 63
+        if groups > 1:
+            group = 0
+            while (1 << group) < n // groups:
+                group += 1
+        mode = G16 if group == 4 else (G32 if group == 5 else COARSE)
+        if offset_groups > 0:
+            off_mode = AFFINE32 if offset_groups == blocks else AFFINE_COARSE
+        else:
+            off_mode = NEG8 if bits == 4 else NO_OFFSET
+        off_shift = 0
+        if off_mode == AFFINE_COARSE:
+            off_shift = 63 if offset_groups == 1 else group - 5
+        block = max(1, X_BLOCK_BYTES // n)
+        for t0 in range(0, t, block):  # inputs in blocks that stay in L2 while every weight row meets them
+            t1 = min(t, t0 + block)
+            r = r0
+            while r < r1:
+                rows = 4 if r + 4 <= r1 else 1
+                if t == 1:
+                    ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
+                    if ahead + 4 <= o:
+                        for line in range(data + ahead * p, data + (ahead + 4) * p, 64):
+                            prefetch(line)
+                        for line in range(scale + ahead * groups * size, scale + (ahead + 4) * groups * size, 64):
+                            prefetch(line)
+                tok = t0
+                while tok < t1:
+                    many = tok + toks <= t1
+                    args = (data + r * p, p, scale + r * groups * size, groups * size, xq + tok * n, n,
+                            xd + tok * blocks * 4, blocks * 4, n, group, y + 4 * (tok * o + r), 4 * o)
+                    if mode == G16:
+                        if rows == 4:
+                            if many:
+                                g16_4m(*args)
+                            else:
+                                g16_41(*args)
+                        elif many:
+                            g16_1m(*args)
+                        else:
+                            g16_11(*args)
+                    elif mode == G32:
+                        if rows == 4:
+                            if many:
+                                g32_4m(*args)
+                            else:
+                                g32_41(*args)
+                        elif many:
+                            g32_1m(*args)
+                        else:
+                            g32_11(*args)
+                    elif rows == 4:
+                        if many:
+                            gc_4m(*args)
+                        else:
+                            gc_41(*args)
+                    elif many:
+                        gc_1m(*args)
+                    else:
+                        gc_11(*args)
+                    if off_mode != NO_OFFSET:
+                        for j in range(toks if many else 1):
+                            for k in range(rows):
+                                at = y + 4 * ((tok + j) * o + r + k)
+                                xsj = xs + 4 * (tok + j) * blocks
+                                if off_mode == NEG8:
+                                    off_neg8(scale + (r + k) * groups * size, xsj, blocks, 0, at)
+                                elif off_mode == AFFINE32:
+                                    off_aff32(offset + (r + k) * offset_groups * size, xsj, blocks, 0, at)
+                                else:
+                                    off_coarse(offset + (r + k) * offset_groups * size, xsj, blocks, off_shift, at)
+                    tok += toks if many else 1
+                r += rows
+    return chunk
+
+
+LAYOUTS = ("q4_f16", "q4_f32", "q8_f16", "q8_f32")
+
+
+@functools.cache
+def handler(isa: str):
+    """The XLA:CPU FFI handler (a numba cfunc, ``pallas_kernels.cpu_ffi.HANDLER``) of `isa`'s path, compiled (or
+    loaded from numba's disk cache) on first use: a path is only ever built on a CPU that runs it."""
+    if not isa_mod.supported(isa):
+        raise ValueError(f"this CPU cannot run the {isa} path (it runs: {', '.join(isa_mod.available()) or 'none'})")
+    return _build(isa)
+
+
+def _build(isa: str):
+    """The handler of one path, dispatching to four chunk loops (4-/8-bit data, float16/float32 scales)."""
+    for layout in LAYOUTS:
+        cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
+            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16")))
+        export_symbol(f"jaxllm_cpu_q8act_chunk_{isa}_{layout}", cfunc.address)
+        _KEEP.append(cfunc)
+    q4_f16, q4_f32, q8_f16, q8_f32 = (symbol(f"jaxllm_cpu_q8act_chunk_{isa}_{layout}", True) for layout in LAYOUTS)
+
+    def ffi_handler(frame_ptr):
+        """Inputs: x [T, in] f32, data [L, out, P] u8/s8, scale [L, out, G] f16/f32, offset [L, out, G' or 0],
+        layer [] s32; outputs y [T, out] f32 and the scratch the inputs' int8 blocks are written to: xq [T, in]
+        s8, xd and xs [T, in / 32] f32. The layer index is clamped into range, as XLA clamps a dynamic slice's."""
+        frame = to_int(frame_ptr)
+        if is_execute(frame):
+            x_p, x_d = buffer(frame, 0)
+            d_p, d_d = buffer(frame, 1)
+            s_p, s_d = buffer(frame, 2)
+            o_p, o_d = buffer(frame, 3)
+            layer_p, _ = buffer(frame, 4)
+            y_p, _ = buffer(frame, 0, True)
+            xq_p, _ = buffer(frame, 1, True)
+            xd_p, _ = buffer(frame, 2, True)
+            xs_p, _ = buffer(frame, 3, True)
+            t, n = dim(x_d, 0), dim(x_d, 1)
+            o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
+            layer = min(max(np.int64(load32(layer_p)), 0), dim(d_d, 0) - 1)
+            scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
+            d_p += layer * o * p
+            s_p += layer * o * groups * scale_size
+            o_p += layer * o * offset_groups * scale_size
+            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
+                   _quantize_chunk_fn(), True)
+            if buffer_dtype(frame, 1) == U8:
+                fn = q4_f16() if scale_size == 2 else q4_f32()
+            else:
+                fn = q8_f16() if scale_size == 2 else q8_f32()
+            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups),
+                   (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, fn, True)
+        return to_ptr(0)
+    return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)
+
+
+_CACHE = dict(cache=True, error_model="numpy", boundscheck=False)
+_KEEP: list = []  # compiled cfuncs stay alive while XLA may call them
