@@ -323,7 +323,7 @@ def _quantize_row(typingctx, x, n, q, d, s):
     return types.void(*[types.int64] * 5), codegen
 
 
-QUANTIZE_ROWS = 16  # input rows a chunk of the quantizing launch
+QUANTIZE_ROWS = 64  # input rows a chunk of the quantizing launch (decode batches: one chunk, no helper)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True, error_model="numpy", boundscheck=False)
