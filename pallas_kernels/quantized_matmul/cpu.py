@@ -60,14 +60,15 @@ def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G]
     return jax.ffi.ffi_call(TARGET, out)(x, data, scale, offset, layer)
 
 
-def _int8_kernel(isa, x, data, scale, offset, layer):
-    """The kernel quantizes x itself (as `activations.quantize`), into scratch outputs it returns and the step
-    drops: one custom call, not an XLA fusion before each matmul."""
+def int8_kernel(isa, x, data, scale, offset, layer):
+    """-> (y, the int8 blocks of x): the kernel quantizes x itself (as `activations.quantize`) into scratch
+    outputs the step drops: one custom call, not an XLA fusion before each matmul."""
     register(isa)
     t, n = x.shape
     out = (jax.ShapeDtypeStruct((t, data.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, n), jnp.int8),
            *[jax.ShapeDtypeStruct((t, n // activations.BLOCK), jnp.float32)] * 2)
-    return jax.ffi.ffi_call(int8_target(isa), out)(x, data, scale, offset, layer)[0]
+    y, *blocks = jax.ffi.ffi_call(int8_target(isa), out)(x, data, scale, offset, layer)
+    return y, activations.Int8Activations(*blocks)
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array | None = None, *,
@@ -84,7 +85,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     x2 = x.reshape(-1, x.shape[-1])
     if isa is not None and int8_applies(x, fmt):
-        y = _int8_kernel(isa, x2, data, scale, offset, index)
+        y = int8_kernel(isa, x2, data, scale, offset, index)[0]
     else:
         y = _kernel(x2, data, scale, offset, index)
     return y.reshape(*x.shape[:-1], data.shape[1])

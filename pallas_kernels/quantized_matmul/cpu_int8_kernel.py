@@ -48,6 +48,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     to_ptr,
 )
 from pallas_kernels.quantized_matmul import isa as isa_mod  # noqa: E402
+from pallas_kernels.quantized_matmul.activations import INV_127  # noqa: E402
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 
@@ -279,7 +280,7 @@ def _offset_term(half, mode):
 @intrinsic
 def _quantize_row(typingctx, x, n, q, d, s):
     """One input row of n float32 at x -> its int8 blocks: q (n int8), d and s (n / 32 float32), exactly as
-    `activations.quantize` computes them: d = max|x| / 127, q = round-half-even(x * (1 / d)) clamped to
+    `activations.quantize` computes them: d = max|x| * float32(1 / 127), q = round-half-even(x * (1 / d)) clamped to
     [-127, 127] (0 where d is 0), s = d * sum(q)."""
     def codegen(context, b, sig, args):
         x, n, q, d, s = args
@@ -296,7 +297,7 @@ def _quantize_row(typingctx, x, n, q, d, s):
                 lo, hi = (b.shuffle_vector(m, m, _mask(range(k, k + width))) for k in (0, width))
                 m = b.select(b.fcmp_ordered(">", hi, lo), hi, lo)
             amax = b.extract_element(m, ir.Constant(_I32, 0))
-            dd = b.fdiv(amax, ir.Constant(_F32, 127.0))
+            dd = b.fmul(amax, ir.Constant(_F32, float(INV_127)))
             positive = b.fcmp_ordered(">", dd, ir.Constant(_F32, 0.0))
             inv = b.select(positive, b.fdiv(ir.Constant(_F32, 1.0), dd), ir.Constant(_F32, 0.0))
             inv_v = b.shuffle_vector(b.insert_element(ir.Constant(_V, None), inv, ir.Constant(_I32, 0)),
