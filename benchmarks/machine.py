@@ -32,13 +32,16 @@ def describe() -> dict:
             info["l3"] = m.group(1).strip()
     except (OSError, subprocess.SubprocessError):
         pass
+    from pallas_kernels.quantized_matmul import isa
+
+    info["int8_path"] = isa.best() or "none"  # jaxllm's quantized matmul: its integer path, or float activations
     return info
 
 
 def line(info: dict | None = None) -> str:
     info = info or describe()
     return (f"machine: {info['cpu']}, {info['cores']} cores, L3 {info['l3'] or '?'}; "
-            f"ISA: {' '.join(info['isa']) or '?'}")
+            f"ISA: {' '.join(info['isa']) or '?'}; jaxllm int8 path: {info.get('int8_path', '?')}")
 
 
 if __name__ == "__main__":

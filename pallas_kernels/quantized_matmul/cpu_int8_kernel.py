@@ -126,10 +126,10 @@ def _floats(b, addr, count, half, offset=None):
     return _load(b, addr, ir.VectorType(_F32, count), offset, align=4)
 
 
-def _spread(b, v):
-    """<k x float> -> <16 x float>, each value repeated over 16 / k consecutive lanes."""
+def _repeat(b, v, times):
+    """<k x float> -> <k * times x float>, each value repeated `times` times in place."""
     k = v.type.count
-    return b.shuffle_vector(v, v, _mask([i // (16 // k) for i in range(16)]))
+    return b.shuffle_vector(v, v, _mask([i // times for i in range(k * times)]))
 
 
 def _hsum(b, v):
@@ -181,51 +181,91 @@ def _dots(isa, bits, half, scale_mode, rows, toks):
             size = 2 if half else 4
             zero = ir.Constant(_V, [0.0] * 16)
 
-            def body(p, accs):
-                xs, ds, starts = [], [], []
-                for j in range(toks):
-                    xs.append(_load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64))))
-                    ds.append(_spread(b, _floats(b, b.add(xd, b.mul(_c(j), xd_stride)), 2, False, b.mul(p, _c(8)))))
-                    if bits == 8 and isa != "avx2":
-                        sums = _lanes(b, isa, ir.Constant(_VB, [1] * 64), xs[j], None)
-                        starts.append(b.mul(sums, ir.Constant(_VL, [-128] * 16)))
-                    else:
-                        starts.append(None)
-                out = list(accs)
-                for k in range(rows):
-                    row = b.add(data, b.mul(_c(k), data_stride))
-                    srow = b.add(scale, b.mul(_c(k), scale_stride))
-                    if bits == 4:
-                        raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
-                        lo = b.and_(raw, ir.Constant(raw.type, [15] * 32))
-                        hi = b.lshr(raw, ir.Constant(raw.type, [4] * 32))
-                        u = b.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32),
-                                                            *range(48, 64)]))
-                        negative = None
-                    elif isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
-                        w = _load(b, row, _VB, b.mul(p, _c(64)))
-                        negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
-                        u = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w)
-                    else:  # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
-                        w = _load(b, row, _VB, b.mul(p, _c(64)))
-                        u = b.xor(w, ir.Constant(_VB, [-128] * 64))
-                        negative = None
-                    if scale_mode == G16:
-                        sw = _spread(b, _floats(b, srow, 4, half, b.mul(p, _c(4 * size))))
-                    elif scale_mode == G32:
-                        sw = _spread(b, _floats(b, srow, 2, half, b.mul(p, _c(2 * size))))
-                    else:
-                        index = b.lshr(b.mul(p, _c(64)), group)
-                        sw = _spread(b, _floats(b, srow, 1, half, b.mul(index, _c(size))))
-                    for j in range(toks):
-                        s = xs[j] if negative is None else b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), xs[j]),
-                                                                   xs[j])
-                        lanes = b.sitofp(_lanes(b, isa, u, s, starts[j]), _V)
-                        i = j * rows + k
-                        out[i] = _fma(b, lanes, b.fmul(sw, ds[j]), accs[i])
-                return out
+            def x_of(p, j):
+                """Input j's 64 values of pair p, and the lanes its 8-bit products start from (VNNI)."""
+                x = _load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64)))
+                if bits == 8 and isa != "avx2":
+                    sums = _lanes(b, isa, ir.Constant(_VB, [1] * 64), x, None)
+                    return x, b.mul(sums, ir.Constant(_VL, [-128] * 16))
+                return x, None
 
-            accs = _for(b, b.udiv(n, _c(64)), [zero] * (rows * toks), body)
+            def weights_of(k, p):
+                """Row k's 64 values of pair p as unsigned bytes, and which were negative (avx2's 8-bit)."""
+                row = b.add(data, b.mul(_c(k), data_stride))
+                if bits == 4:
+                    raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
+                    lo = b.and_(raw, ir.Constant(raw.type, [15] * 32))
+                    hi = b.lshr(raw, ir.Constant(raw.type, [4] * 32))
+                    return b.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32),
+                                                           *range(48, 64)])), None
+                w = _load(b, row, _VB, b.mul(p, _c(64)))
+                if isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
+                    negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
+                    return b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w), negative
+                # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
+                return b.xor(w, ir.Constant(_VB, [-128] * 64)), None
+
+            def accumulate(k, p, j, u, negative, s, acc):
+                """acc + the lanes of row k . input j over pair p, times s (the lanes' w_scale * x_d)."""
+                x, start = x_of(p, j)
+                if negative is not None:
+                    x = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), x), x)
+                return _fma(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
+
+            def row_scales(k, first, pairs):
+                """Row k's scales for `pairs` pairs from pair `first`: 4 a pair (G16), 2 (G32) or 1 (coarser)."""
+                srow = b.add(scale, b.mul(_c(k), scale_stride))
+                if scale_mode == G16:
+                    return _floats(b, srow, 4 * pairs, half, b.mul(first, _c(4 * size)))
+                if scale_mode == G32:
+                    return _floats(b, srow, 2 * pairs, half, b.mul(first, _c(2 * size)))
+                vec = ir.Constant(ir.VectorType(_F32, pairs), None)
+                for i in range(pairs):
+                    index = b.lshr(b.mul(b.add(first, _c(i)), _c(64)), group)
+                    v = b.extract_element(_floats(b, srow, 1, half, b.mul(index, _c(size))), ir.Constant(_I32, 0))
+                    vec = b.insert_element(vec, v, ir.Constant(_I32, i))
+                return vec
+
+            def products(sw, dx):
+                """w_scale * x_d for the blocks of some pairs: sw as row_scales gives it, dx one per block (2 a
+                pair) -> a vector holding, for every lane of those pairs, its product (see `lane_scales`)."""
+                if scale_mode == G16:  # 4 scales a pair: scale m of the group belongs to block m // 2
+                    return b.fmul(sw, _repeat(b, dx, 2))
+                if scale_mode == G32:
+                    return b.fmul(sw, dx)
+                return b.fmul(_repeat(b, sw, 2), dx)  # one scale a pair, for both its blocks
+
+            def lane_scales(prod, i):
+                """Pair i's 16 lanes' products, out of `products` of its group (lanes 0-7: its first block)."""
+                if scale_mode == G16:
+                    return b.shuffle_vector(prod, prod, _mask([4 * i + lane // 4 for lane in range(16)]))
+                return b.shuffle_vector(prod, prod, _mask([2 * i + lane // 8 for lane in range(16)]))
+
+            def grouped(pairs):
+                """A loop body over groups of `pairs` pairs: each (row, input)'s scale products made once per
+                group, the same floats as a pair at a time would make (fmul of the same operands)."""
+                def body(g, accs):
+                    p0 = b.mul(g, _c(pairs)) if pairs > 1 else g
+                    dxs = [_floats(b, b.add(xd, b.mul(_c(j), xd_stride)), 2 * pairs, False, b.mul(p0, _c(8)))
+                           for j in range(toks)]
+                    out = list(accs)
+                    for k in range(rows):
+                        sw = row_scales(k, p0, pairs)
+                        prods = [products(sw, dxs[j]) for j in range(toks)]
+                        for i in range(pairs):
+                            p = b.add(p0, _c(i))
+                            u, negative = weights_of(k, p)
+                            for j in range(toks):
+                                n_ = j * rows + k
+                                out[n_] = accumulate(k, p, j, u, negative, lane_scales(prods[j], i), out[n_])
+                    return out
+                return body
+
+            pairs = b.udiv(n, _c(64))
+            quads = b.udiv(pairs, _c(4))
+            accs = _for(b, quads, [zero] * (rows * toks), grouped(4))
+            done = b.mul(quads, _c(4))
+            accs = _for(b, b.sub(pairs, done), accs, lambda i, a: grouped(1)(b.add(done, i), a))
             for j in range(toks):
                 yj = b.add(y, b.mul(_c(j), y_stride))
                 for k in range(rows):
@@ -400,6 +440,9 @@ def _chunk(isa, bits, half):
                         for line in range(data + ahead * p, data + (ahead + 4) * p, 64):
                             prefetch(line)
                         for line in range(scale + ahead * groups * size, scale + (ahead + 4) * groups * size, 64):
+                            prefetch(line)
+                        for line in range(offset + ahead * offset_groups * size,
+                                          offset + (ahead + 4) * offset_groups * size, 64):
                             prefetch(line)
                 tok = t0
                 while tok < t1:
