@@ -179,8 +179,8 @@ def matmul_kernel(kernels: Kernels) -> Callable:
 def quantized_matmul_kernel(kernels: Kernels) -> Callable:
     """``(x [..., in], w: QuantizedWeight, fmt, layer=None) -> [..., out]``, the matmul against quantized weights
     (`pallas_kernels.quantized_matmul`): with the "cpu" matmul, the CPU kernel (every step shape; on int8
-    activations with the host's integer path, `Kernels.int8_isa`); otherwise the reference, XLA's dot on weights dequantized in the step (fused on GPU and
-    TPU)."""
+    activations with the host's integer path, `Kernels.int8_isa`); otherwise the reference, XLA's dot on weights
+    dequantized in the step (fused on GPU and TPU)."""
     if kernels.matmul == "cpu":
         from pallas_kernels.quantized_matmul.cpu import matmul, register
         if jax.default_backend() == "cpu":

@@ -1,10 +1,11 @@
 """Activations quantized to int8 in blocks of 32 values, as llama.cpp's Q8_1 blocks: what the int8 kernel
 multiplies the weights' integers by.
 
-A block's values ``x`` become ``q = round(x / d)`` in [-127, 127] with ``d = max|x| / 127`` (computed as ``max|x| * float32(1 / 127)``), and the block keeps
-``d`` and ``d * sum(q)`` (the latter multiplies a weight group's offset: ``sum((w_q * s + m) * q * d) =
-s * d * sum(w_q * q) + m * (d * sum(q))``). Computed in the step by XLA, elementwise per row, so a row's blocks do
-not depend on the other rows of the step (batch invariance) and the reference and the kernel see the same ones.
+A block's values ``x`` become ``q = round(x / d)`` in [-127, 127] with ``d = max|x| / 127`` (computed as
+``max|x| * float32(1 / 127)``), and the block keeps ``d`` and ``d * sum(q)`` (the latter multiplies a weight
+group's offset: ``sum((w_q * s + m) * q * d) = s * d * sum(w_q * q) + m * (d * sum(q))``). The kernel quantizes its
+inputs itself, exactly as `quantize` does (its tests compare them bit for bit); elementwise per row, so a row's
+blocks do not depend on the other rows of the step (batch invariance).
 """
 
 from __future__ import annotations

@@ -171,150 +171,145 @@ def _for(b, count, carried, body):
 G16, G32, COARSE = 0, 1, 2
 
 
-def _dots(isa, bits, half, scale_mode, rows, toks):
-    @intrinsic
-    def dots(typingctx, data, data_stride, scale, scale_stride, xq, xq_stride, xd, xd_stride, n, group, y, y_stride):
-        """y at y + j * y_stride + 4 * k (float32) = the integer part of row k . input j (k < rows, j < toks):
-        the pairs' lanes times their scales, summed (no offset term yet)."""
-        def codegen(context, b, sig, args):
-            data, data_stride, scale, scale_stride, xq, xq_stride, xd, xd_stride, n, group, y, y_stride = args
-            size = 2 if half else 4
-            zero = ir.Constant(_V, [0.0] * 16)
+def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
+    """y at y + j * y_stride + 4 * k (float32) = row k . input j (k < rows, j < toks): the pairs' lanes times
+    their scales, and the blocks' offset terms, accumulated pair after pair and summed."""
+    (data, data_stride, scale, offset, scale_stride, xq, xq_stride, xd, xs, xd_stride, n, group, y,
+     y_stride) = args
+    size = 2 if half else 4
+    zero = ir.Constant(_V, [0.0] * 16)
+    def x_of(p, j):
+        """Input j's 64 values of pair p, and the lanes its 8-bit products start from (VNNI)."""
+        x = _load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64)))
+        if bits == 8 and isa != "avx2":
+            sums = _lanes(b, isa, ir.Constant(_VB, [1] * 64), x, None)
+            return x, b.mul(sums, ir.Constant(_VL, [-128] * 16))
+        return x, None
 
-            def x_of(p, j):
-                """Input j's 64 values of pair p, and the lanes its 8-bit products start from (VNNI)."""
-                x = _load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64)))
-                if bits == 8 and isa != "avx2":
-                    sums = _lanes(b, isa, ir.Constant(_VB, [1] * 64), x, None)
-                    return x, b.mul(sums, ir.Constant(_VL, [-128] * 16))
-                return x, None
+    def weights_of(k, p):
+        """Row k's 64 values of pair p as unsigned bytes, and which were negative (avx2's 8-bit)."""
+        row = b.add(data, b.mul(_c(k), data_stride))
+        if bits == 4:
+            raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
+            lo = b.and_(raw, ir.Constant(raw.type, [15] * 32))
+            hi = b.lshr(raw, ir.Constant(raw.type, [4] * 32))
+            return b.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32),
+                                                   *range(48, 64)])), None
+        w = _load(b, row, _VB, b.mul(p, _c(64)))
+        if isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
+            negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
+            return b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w), negative
+        # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
+        return b.xor(w, ir.Constant(_VB, [-128] * 64)), None
 
-            def weights_of(k, p):
-                """Row k's 64 values of pair p as unsigned bytes, and which were negative (avx2's 8-bit)."""
-                row = b.add(data, b.mul(_c(k), data_stride))
-                if bits == 4:
-                    raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
-                    lo = b.and_(raw, ir.Constant(raw.type, [15] * 32))
-                    hi = b.lshr(raw, ir.Constant(raw.type, [4] * 32))
-                    return b.shuffle_vector(lo, hi, _mask([*range(16), *range(32, 48), *range(16, 32),
-                                                           *range(48, 64)])), None
-                w = _load(b, row, _VB, b.mul(p, _c(64)))
-                if isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
-                    negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
-                    return b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w), negative
-                # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
-                return b.xor(w, ir.Constant(_VB, [-128] * 64)), None
+    def accumulate(k, p, j, u, negative, s, acc):
+        """acc + the lanes of row k . input j over pair p, times s (the lanes' w_scale * x_d)."""
+        x, start = x_of(p, j)
+        if negative is not None:
+            x = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), x), x)
+        return _fma(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
 
-            def accumulate(k, p, j, u, negative, s, acc):
-                """acc + the lanes of row k . input j over pair p, times s (the lanes' w_scale * x_d)."""
-                x, start = x_of(p, j)
-                if negative is not None:
-                    x = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), x), x)
-                return _fma(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
+    def row_scales(k, base, first, pairs):
+        """Row k's scales (or offsets: base) for `pairs` pairs from pair `first`: 4 a pair (G16), 2 (G32)
+        or 1 (coarser)."""
+        srow = b.add(base, b.mul(_c(k), scale_stride))
+        if scale_mode == G16:
+            return _floats(b, srow, 4 * pairs, half, b.mul(first, _c(4 * size)))
+        if scale_mode == G32:
+            return _floats(b, srow, 2 * pairs, half, b.mul(first, _c(2 * size)))
+        vec = ir.Constant(ir.VectorType(_F32, pairs), None)
+        for i in range(pairs):
+            index = b.lshr(b.mul(b.add(first, _c(i)), _c(64)), group)
+            v = b.extract_element(_floats(b, srow, 1, half, b.mul(index, _c(size))), ir.Constant(_I32, 0))
+            vec = b.insert_element(vec, v, ir.Constant(_I32, i))
+        return vec
 
-            def row_scales(k, first, pairs):
-                """Row k's scales for `pairs` pairs from pair `first`: 4 a pair (G16), 2 (G32) or 1 (coarser)."""
-                srow = b.add(scale, b.mul(_c(k), scale_stride))
-                if scale_mode == G16:
-                    return _floats(b, srow, 4 * pairs, half, b.mul(first, _c(4 * size)))
-                if scale_mode == G32:
-                    return _floats(b, srow, 2 * pairs, half, b.mul(first, _c(2 * size)))
-                vec = ir.Constant(ir.VectorType(_F32, pairs), None)
+    def products(sw, dx):
+        """w_scale * x_d for the blocks of some pairs: sw as row_scales gives it, dx one per block (2 a
+        pair) -> a vector holding, for every lane of those pairs, its product (see `lane_scales`)."""
+        if scale_mode == G16:  # 4 scales a pair: scale m of the group belongs to block m // 2
+            return b.fmul(sw, _repeat(b, dx, 2))
+        if scale_mode == G32:
+            return b.fmul(sw, dx)
+        return b.fmul(_repeat(b, sw, 2), dx)  # one scale a pair, for both its blocks
+
+    def lane_scales(prod, i):
+        """Pair i's 16 lanes' products, out of `products` of its group (lanes 0-7: its first block)."""
+        if scale_mode == G16:
+            return b.shuffle_vector(prod, prod, _mask([4 * i + lane // 4 for lane in range(16)]))
+        return b.shuffle_vector(prod, prod, _mask([2 * i + lane // 8 for lane in range(16)]))
+
+    def grouped(pairs):
+        """A loop body over groups of `pairs` pairs: each (row, input)'s scale products made once per
+        group, the same floats as a pair at a time would make (fmul of the same operands)."""
+        def body(g, accs):
+            p0 = b.mul(g, _c(pairs)) if pairs > 1 else g
+            dxs = [_floats(b, b.add(xd, b.mul(_c(j), xd_stride)), 2 * pairs, False, b.mul(p0, _c(8)))
+                   for j in range(toks)]
+            out = list(accs)
+            if off_mode != NO_OFFSET:
+                xss = [_floats(b, b.add(xs, b.mul(_c(j), xd_stride)), 2 * pairs, False, b.mul(p0, _c(8)))
+                       for j in range(toks)]
+            for k in range(rows):
+                sw = row_scales(k, scale, p0, pairs)
+                prods = [products(sw, dxs[j]) for j in range(toks)]
+                if off_mode != NO_OFFSET:  # one offset a block: its term lands in the block's first lanes
+                    if off_mode == NEG8:
+                        om = b.fmul(sw, ir.Constant(sw.type, [-8.0] * sw.type.count))
+                    else:
+                        om = row_scales(k, offset, p0, pairs)
+                    if scale_mode == COARSE:
+                        om = _repeat(b, om, 2)
+                    for j in range(toks):
+                        terms = b.fmul(om, xss[j])  # <2 * pairs x float>, block order
+                        wide = b.shuffle_vector(terms, ir.Constant(terms.type, [0.0] * (2 * pairs)),
+                                                _mask([*range(2 * pairs), *[2 * pairs] * (16 - 2 * pairs)]))
+                        out[j * rows + k] = b.fadd(out[j * rows + k], wide)
                 for i in range(pairs):
-                    index = b.lshr(b.mul(b.add(first, _c(i)), _c(64)), group)
-                    v = b.extract_element(_floats(b, srow, 1, half, b.mul(index, _c(size))), ir.Constant(_I32, 0))
-                    vec = b.insert_element(vec, v, ir.Constant(_I32, i))
-                return vec
+                    p = b.add(p0, _c(i))
+                    u, negative = weights_of(k, p)
+                    for j in range(toks):
+                        n_ = j * rows + k
+                        out[n_] = accumulate(k, p, j, u, negative, lane_scales(prods[j], i), out[n_])
+            return out
+        return body
 
-            def products(sw, dx):
-                """w_scale * x_d for the blocks of some pairs: sw as row_scales gives it, dx one per block (2 a
-                pair) -> a vector holding, for every lane of those pairs, its product (see `lane_scales`)."""
-                if scale_mode == G16:  # 4 scales a pair: scale m of the group belongs to block m // 2
-                    return b.fmul(sw, _repeat(b, dx, 2))
-                if scale_mode == G32:
-                    return b.fmul(sw, dx)
-                return b.fmul(_repeat(b, sw, 2), dx)  # one scale a pair, for both its blocks
-
-            def lane_scales(prod, i):
-                """Pair i's 16 lanes' products, out of `products` of its group (lanes 0-7: its first block)."""
-                if scale_mode == G16:
-                    return b.shuffle_vector(prod, prod, _mask([4 * i + lane // 4 for lane in range(16)]))
-                return b.shuffle_vector(prod, prod, _mask([2 * i + lane // 8 for lane in range(16)]))
-
-            def grouped(pairs):
-                """A loop body over groups of `pairs` pairs: each (row, input)'s scale products made once per
-                group, the same floats as a pair at a time would make (fmul of the same operands)."""
-                def body(g, accs):
-                    p0 = b.mul(g, _c(pairs)) if pairs > 1 else g
-                    dxs = [_floats(b, b.add(xd, b.mul(_c(j), xd_stride)), 2 * pairs, False, b.mul(p0, _c(8)))
-                           for j in range(toks)]
-                    out = list(accs)
-                    for k in range(rows):
-                        sw = row_scales(k, p0, pairs)
-                        prods = [products(sw, dxs[j]) for j in range(toks)]
-                        for i in range(pairs):
-                            p = b.add(p0, _c(i))
-                            u, negative = weights_of(k, p)
-                            for j in range(toks):
-                                n_ = j * rows + k
-                                out[n_] = accumulate(k, p, j, u, negative, lane_scales(prods[j], i), out[n_])
-                    return out
-                return body
-
-            pairs = b.udiv(n, _c(64))
-            quads = b.udiv(pairs, _c(4))
-            accs = _for(b, quads, [zero] * (rows * toks), grouped(4))
-            done = b.mul(quads, _c(4))
-            accs = _for(b, b.sub(pairs, done), accs, lambda i, a: grouped(1)(b.add(done, i), a))
-            for j in range(toks):
-                yj = b.add(y, b.mul(_c(j), y_stride))
-                for k in range(rows):
-                    b.store(_hsum(b, accs[j * rows + k]), _ptr(b, yj, _F32, 4 * k), align=4)
-            return context.get_dummy_value()
-        return types.void(*[types.int64] * 12), codegen
-    return stable_key(dots, __name__, "dots", isa, bits, half, scale_mode, rows, toks)
+    pairs = b.udiv(n, _c(64))
+    quads = b.udiv(pairs, _c(4))
+    accs = _for(b, quads, [zero] * (rows * toks), grouped(4))
+    done = b.mul(quads, _c(4))
+    accs = _for(b, b.sub(pairs, done), accs, lambda i, a: grouped(1)(b.add(done, i), a))
+    for j in range(toks):
+        yj = b.add(y, b.mul(_c(j), y_stride))
+        for k in range(rows):
+            b.store(_hsum(b, accs[j * rows + k]), _ptr(b, yj, _F32, 4 * k), align=4)
 
 
-# Offset terms: none (8-bit symmetric), -8 * scale per 32 (4-bit symmetric), an offset per 32 (affine), an offset
-# per 64 or more / per row (affine groups from a join: index = block >> (log2(group) - 5)).
-NO_OFFSET, NEG8, AFFINE32, AFFINE_COARSE = 0, 1, 2, 3
-
-
-def _offset_term(half, mode):
+def _dots(isa, bits, half, variants):
+    """An intrinsic ``dots(variant, data, data_stride, scale, offset, scale_stride, xq, xq_stride, xd, xs,
+    xd_stride, n, group, y, y_stride)`` running `_emit_dots` for ``variants[variant]`` ((scale mode, offset mode,
+    rows, inputs) tuples): one switch in the IR, so the numba loop around it stays one call."""
     @intrinsic
-    def offset_term(typingctx, values, xs, blocks, shift, y):
-        """*y += sum over the row's blocks b of offset(b) * xs[b] (values: the row's offsets, or its scales for
-        NEG8); 16 blocks to a vector, then the rest in order, then the vector's fixed-order sum first."""
+    def dots(typingctx, variant, data, data_stride, scale, offset, scale_stride, xq, xq_stride, xd, xs, xd_stride,
+             n, group, y, y_stride):
         def codegen(context, b, sig, args):
-            values, xs, blocks, shift, y = args
-            size = 2 if half else 4
-
-            def vec_body(i, acc):
-                at = b.mul(i, _c(16))
-                v = _floats(b, values, 16, half, b.mul(at, _c(size)))
-                if mode == NEG8:
-                    v = b.fmul(v, ir.Constant(_V, [-8.0] * 16))
-                return [_fma(b, v, _load(b, xs, _V, b.mul(at, _c(4)), align=4), acc[0])]
-
-            def scalar(i, acc):
-                index = b.lshr(i, shift) if mode == AFFINE_COARSE else i
-                v = b.extract_element(_floats(b, values, 1, half, b.mul(index, _c(size))), ir.Constant(_I32, 0))
-                if mode == NEG8:
-                    v = b.fmul(v, ir.Constant(_F32, -8.0))
-                x = _load(b, xs, _F32, b.mul(i, _c(4)), align=4)
-                fma = _fn(b, "llvm.fma.f32", _F32, [_F32, _F32, _F32])
-                return [b.call(fma, [v, x, acc[0]])]
-
-            vectors = _c(0) if mode == AFFINE_COARSE else b.udiv(blocks, _c(16))
-            acc = _for(b, vectors, [ir.Constant(_V, [0.0] * 16)], vec_body)[0]
-            start = b.mul(vectors, _c(16))
-            tail = _for(b, b.sub(blocks, start), [ir.Constant(_F32, 0.0)],
-                        lambda i, a: scalar(b.add(i, start), a))[0]
-            yp = _ptr(b, y, _F32)
-            b.store(b.fadd(b.load(yp, align=4), b.fadd(_hsum(b, acc), tail)), yp, align=4)
+            done = b.append_basic_block("dots_done")
+            switch = b.switch(args[0], done)
+            for index, (scale_mode, off_mode, rows, toks) in enumerate(variants):
+                block = b.append_basic_block(f"dots_{index}")
+                switch.add_case(index, block)
+                b.position_at_end(block)
+                _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args[1:])
+                b.branch(done)
+            b.position_at_end(done)
             return context.get_dummy_value()
-        return types.void(*[types.int64] * 5), codegen
-    return stable_key(offset_term, __name__, "offset_term", half, mode)
+        return types.void(*[types.int64] * 15), codegen
+    return stable_key(dots, __name__, "dots", isa, bits, half, tuple(variants))
+
+
+# Offset terms, folded into the accumulators: none (8-bit symmetric), -8 * scale (4-bit symmetric), the weight's
+# offsets (affine, grouped as its scales).
+NO_OFFSET, NEG8, AFFINE = 0, 1, 2
 
 
 @intrinsic
@@ -392,7 +387,7 @@ def _chunk_args(words, chunk):
             load64(words + 88), load64(words + 96), r0, min(o, r0 + ROWS_PER_CHUNK))
 
 
-TOKS = {"vnni512": 4, "vnni256": 2, "avx2": 2}  # inputs per pass over 4 weight rows (the registers they take)
+TOKS = {"vnni512": 2, "vnni256": 2, "avx2": 2}  # inputs per pass over 4 weight rows (the registers they take)
 PREFETCH_ROWS = 16
 X_BLOCK_BYTES = 1 << 17
 
@@ -402,11 +397,10 @@ def _chunk(isa, bits, half):
     cfunc's body. Its closure holds only intrinsics, which numba's disk cache keys by their definitions (a
     dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache entry, every process)."""
     toks = TOKS[isa]
-    v = {(m, r, t): _dots(isa, bits, half, m, r, t) for m in (G16, G32, COARSE) for r in (4, 1) for t in (toks, 1)}
-    g16_4m, g16_41, g16_1m, g16_11 = (v[G16, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
-    g32_4m, g32_41, g32_1m, g32_11 = (v[G32, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
-    gc_4m, gc_41, gc_1m, gc_11 = (v[COARSE, r, t] for r, t in ((4, toks), (4, 1), (1, toks), (1, 1)))
-    off_neg8, off_aff32, off_coarse = (_offset_term(half, m) for m in (NEG8, AFFINE32, AFFINE_COARSE))
+    kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
+        ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
+    variants = [(m, off, r, t) for m, off in kinds for r in (4, 1) for t in (toks, 1)]
+    dots = _dots(isa, bits, half, variants)
 
     def chunk(words, c):
         """y[:, r0:r1] = the int8 product of the inputs' blocks and rows r0:r1 of W, for the chunk's rows
@@ -421,13 +415,14 @@ def _chunk(isa, bits, half):
             while (1 << group) < n // groups:
                 group += 1
         mode = G16 if group == 4 else (G32 if group == 5 else COARSE)
-        if offset_groups > 0:
-            off_mode = AFFINE32 if offset_groups == blocks else AFFINE_COARSE
+        if bits == 4:
+            kind = 1 if offset_groups > 0 else 0
+        elif mode == G16:
+            kind = 0
+        elif mode == G32:
+            kind = 2 if offset_groups > 0 else 1
         else:
-            off_mode = NEG8 if bits == 4 else NO_OFFSET
-        off_shift = 0
-        if off_mode == AFFINE_COARSE:
-            off_shift = 63 if offset_groups == 1 else group - 5
+            kind = 4 if offset_groups > 0 else 3
         block = max(1, X_BLOCK_BYTES // n)
         for t0 in range(0, t, block):  # inputs in blocks that stay in L2 while every weight row meets them
             t1 = min(t, t0 + block)
@@ -447,48 +442,10 @@ def _chunk(isa, bits, half):
                 tok = t0
                 while tok < t1:
                     many = tok + toks <= t1
-                    args = (data + r * p, p, scale + r * groups * size, groups * size, xq + tok * n, n,
-                            xd + tok * blocks * 4, blocks * 4, n, group, y + 4 * (tok * o + r), 4 * o)
-                    if mode == G16:
-                        if rows == 4:
-                            if many:
-                                g16_4m(*args)
-                            else:
-                                g16_41(*args)
-                        elif many:
-                            g16_1m(*args)
-                        else:
-                            g16_11(*args)
-                    elif mode == G32:
-                        if rows == 4:
-                            if many:
-                                g32_4m(*args)
-                            else:
-                                g32_41(*args)
-                        elif many:
-                            g32_1m(*args)
-                        else:
-                            g32_11(*args)
-                    elif rows == 4:
-                        if many:
-                            gc_4m(*args)
-                        else:
-                            gc_41(*args)
-                    elif many:
-                        gc_1m(*args)
-                    else:
-                        gc_11(*args)
-                    if off_mode != NO_OFFSET:
-                        for j in range(toks if many else 1):
-                            for k in range(rows):
-                                at = y + 4 * ((tok + j) * o + r + k)
-                                xsj = xs + 4 * (tok + j) * blocks
-                                if off_mode == NEG8:
-                                    off_neg8(scale + (r + k) * groups * size, xsj, blocks, 0, at)
-                                elif off_mode == AFFINE32:
-                                    off_aff32(offset + (r + k) * offset_groups * size, xsj, blocks, 0, at)
-                                else:
-                                    off_coarse(offset + (r + k) * offset_groups * size, xsj, blocks, off_shift, at)
+                    variant = 4 * kind + (0 if rows == 4 else 2) + (0 if many else 1)
+                    dots(variant, data + r * p, p, scale + r * groups * size, offset + r * groups * size,
+                         groups * size, xq + tok * n, n, xd + tok * blocks * 4, xs + tok * blocks * 4, blocks * 4, n,
+                         group, y + 4 * (tok * o + r), 4 * o)
                     tok += toks if many else 1
                 r += rows
     return chunk
