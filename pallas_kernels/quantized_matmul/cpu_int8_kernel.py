@@ -5,14 +5,16 @@ The arithmetic, for output (row r, input t), is the same on every path, for ever
 - per pair of 32-value blocks (64 values), 16 exact int32 lanes, lane j the sum of the products of values
   4j..4j+3 (`_lanes`: vpdpbusd, or vpmaddubsw + vpmaddwd);
 - those lanes, converted to float, times the pair's scales ``w_scale * x_d`` (a lane's own group: [s0 x8, s1 x8]
-  for groups of 32, [s0 x4 .. s3 x4] for 16, one scale for coarser groups) added into one 16-float accumulator
-  with llvm.fma, pair after pair; the accumulator summed by a fixed tree;
-- then, for formats with an offset (affine groups; symmetric 4-bit's -8 * scale), ``sum(offset * x_s)`` over the
-  row's blocks, 16 blocks to a vector and the rest one by one, added last.
-Unsigned weights (4-bit, 0..15) meet the activations as they are; signed 8-bit weights as |w| against x with w's
-sign (so every int16 pair stays under 2 * 128 * 127 on the avx2 path). A decode step (one input) and bigger
-steps run the same function: 4 weight rows are unpacked once per pair and meet up to TOKS inputs, whose blocks
-are shared by the 4 rows. Memory traffic is the packed weights and the int8 inputs."""
+  for groups of 32, [s0 x4 .. s3 x4] for 16, one scale for coarser groups; the products made once per 4 pairs)
+  added into one 16-float accumulator with llvm.fma, pair after pair;
+- for formats with an offset (affine groups; symmetric 4-bit's -8 * scale), each block's ``offset * x_s`` added
+  into the accumulator's first lanes once per 4 pairs (per pair for a row's last pairs);
+- the accumulator summed by a fixed tree.
+Unsigned weights (4-bit, 0..15) meet the activations as they are; signed 8-bit weights as ``w + 128`` with the lanes
+started at ``-128 * (x's lane sums)`` on VNNI, as |w| against x with w's sign on AVX2 (so every int16 pair stays
+under 2 * 128 * 127): the same lanes. A decode step (one input) and bigger steps run the same code: 4 weight rows
+are unpacked once per pair and meet up to TOKS inputs, whose blocks are shared by the 4 rows. Memory traffic is
+the packed weights and the int8 inputs; the kernel quantizes the inputs itself (`_quantize_row`) first."""
 
 from __future__ import annotations
 
