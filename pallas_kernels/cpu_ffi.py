@@ -201,6 +201,51 @@ def export_symbol(name: str, address: int) -> None:
     llvm.add_symbol(name, address)
 
 
+# -- LLVM IR helpers for the kernels' inner loops (here, so that an edit drops the kernels' cached machine code)
+def ir_fma16(b, x, y, z):
+    """llvm.fma on <16 x float>: one rounding, whatever the target's vector width."""
+    v = ir.VectorType(ir.FloatType(), 16)
+    return b.call(cgutils.get_or_insert_function(b.module, ir.FunctionType(v, [v, v, v]), "llvm.fma.v16f32"),
+                  [x, y, z])
+
+
+def ir_hsum(b, v):
+    """A fixed-order sum of a <16 x float>'s lanes: halves added until one lane is left."""
+    i32 = ir.IntType(32)
+    width = v.type.count
+    while width > 1:
+        width //= 2
+        lo, hi = (b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(s, s + width))))
+                  for s in (0, width))
+        v = b.fadd(lo, hi)
+    return b.extract_element(v, ir.Constant(i32, 0))
+
+
+def ir_for(b, count, carried, body):
+    """for i in range(count) (i64): carried = body(i, carried); returns the final carried values."""
+    i64 = ir.IntType(64)
+    pre = b.block
+    head, loop, done = (b.append_basic_block(name) for name in ("head", "loop", "done"))
+    b.branch(head)
+    b.position_at_end(head)
+    i = b.phi(i64)
+    i.add_incoming(ir.Constant(i64, 0), pre)
+    phis = []
+    for v in carried:
+        phi = b.phi(v.type)
+        phi.add_incoming(v, pre)
+        phis.append(phi)
+    b.cbranch(b.icmp_signed("<", i, count), loop, done)
+    b.position_at_end(loop)
+    new = body(i, phis)
+    i.add_incoming(b.add(i, ir.Constant(i64, 1)), b.block)
+    for phi, v in zip(phis, new, strict=True):
+        phi.add_incoming(v, b.block)
+    b.branch(head)
+    b.position_at_end(done)
+    return phis
+
+
 # -- the call frame (XLA_FFI_CallFrame): api +16, ctx +24, stage +32, args.args +72, rets.rets +112
 @numba.njit(inline="always")
 def buffer(frame, i, ret=False):

@@ -39,6 +39,9 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     buffer_dtype,
     dim,
     export_symbol,
+    ir_fma16,
+    ir_for,
+    ir_hsum,
     is_execute,
     launch,
     load32,
@@ -116,10 +119,6 @@ def _lanes(b, isa, u, s, start=None):
     return _join(b, out)
 
 
-def _fma(b, x, y, z):
-    return b.call(_fn(b, "llvm.fma.v16f32", _V, [_V, _V, _V]), [x, y, z])
-
-
 def _floats(b, addr, count, half, offset=None):
     """`count` consecutive scales at addr (float16 bits or float32) as a <count x float>."""
     if half:
@@ -134,40 +133,6 @@ def _repeat(b, v, times):
     return b.shuffle_vector(v, v, _mask([i // times for i in range(k * times)]))
 
 
-def _hsum(b, v):
-    """A fixed-order sum of the 16 lanes: halves added until one lane is left."""
-    width = 16
-    while width > 1:
-        width //= 2
-        lo, hi = (b.shuffle_vector(v, v, _mask(range(s, s + width))) for s in (0, width))
-        v = b.fadd(lo, hi)
-    return b.extract_element(v, ir.Constant(_I32, 0))
-
-
-def _for(b, count, carried, body):
-    """for i in range(count): carried = body(i, carried); returns the final carried values."""
-    pre = b.block
-    head, loop, done = (b.append_basic_block(name) for name in ("head", "loop", "done"))
-    b.branch(head)
-    b.position_at_end(head)
-    i = b.phi(_I64)
-    i.add_incoming(_c(0), pre)
-    phis = []
-    for v in carried:
-        phi = b.phi(v.type)
-        phi.add_incoming(v, pre)
-        phis.append(phi)
-    b.cbranch(b.icmp_signed("<", i, count), loop, done)
-    b.position_at_end(loop)
-    new = body(i, phis)
-    i.add_incoming(b.add(i, _c(1)), b.block)
-    for phi, v in zip(phis, new, strict=True):
-        phi.add_incoming(v, b.block)
-    b.branch(head)
-    b.position_at_end(done)
-    return phis
-
-
 # Scale layouts: per 16 values (GGUF Q6_K), per 32 (most), per 64 or more / per row (one scale a pair: its index
 # is the pair's first value >> log2(group), 63 for per-row).
 G16, G32, COARSE = 0, 1, 2
@@ -180,6 +145,7 @@ def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
      y_stride) = args
     size = 2 if half else 4
     zero = ir.Constant(_V, [0.0] * 16)
+
     def x_of(p, j):
         """Input j's 64 values of pair p, and the lanes its 8-bit products start from (VNNI)."""
         x = _load(b, b.add(xq, b.mul(_c(j), xq_stride)), _VB, b.mul(p, _c(64)))
@@ -209,7 +175,7 @@ def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
         x, start = x_of(p, j)
         if negative is not None:
             x = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), x), x)
-        return _fma(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
+        return ir_fma16(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
 
     def row_scales(k, base, first, pairs):
         """Row k's scales (or offsets: base) for `pairs` pairs from pair `first`: 4 a pair (G16), 2 (G32)
@@ -278,13 +244,13 @@ def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
 
     pairs = b.udiv(n, _c(64))
     quads = b.udiv(pairs, _c(4))
-    accs = _for(b, quads, [zero] * (rows * toks), grouped(4))
+    accs = ir_for(b, quads, [zero] * (rows * toks), grouped(4))
     done = b.mul(quads, _c(4))
-    accs = _for(b, b.sub(pairs, done), accs, lambda i, a: grouped(1)(b.add(done, i), a))
+    accs = ir_for(b, b.sub(pairs, done), accs, lambda i, a: grouped(1)(b.add(done, i), a))
     for j in range(toks):
         yj = b.add(y, b.mul(_c(j), y_stride))
         for k in range(rows):
-            b.store(_hsum(b, accs[j * rows + k]), _ptr(b, yj, _F32, 4 * k), align=4)
+            b.store(ir_hsum(b, accs[j * rows + k]), _ptr(b, yj, _F32, 4 * k), align=4)
 
 
 def _dots(isa, bits, half, variants):
@@ -356,7 +322,7 @@ def _quantize_row(typingctx, x, n, q, d, s):
             b.store(dd, _ptr(b, d, _F32, b.mul(i, _c(4))), align=4)
             b.store(b.fmul(dd, qsum), _ptr(b, s, _F32, b.mul(i, _c(4))), align=4)
             return []
-        _for(b, b.udiv(n, _c(32)), [], body)
+        ir_for(b, b.udiv(n, _c(32)), [], body)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 5), codegen
 

@@ -14,7 +14,6 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from pallas_kernels.cpu_ffi import drop_stale_cache
@@ -29,6 +28,9 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     buffer_dtype,
     dim,
     export_symbol,
+    ir_fma16,
+    ir_for,
+    ir_hsum,
     is_execute,
     keep_alive,
     launch,
@@ -73,52 +75,11 @@ def _splat(b, v):
     return b.shuffle_vector(vec, ir.Constant(_V, None), ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16))
 
 
-def _fma(b, x, y, z):
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V, [_V, _V, _V]), "llvm.fma.v16f32")
-    return b.call(fn, [x, y, z])
-
-
 def _scalar(b, addr, half):
     """The scale (or offset) at addr: float16 bits or float32 -> float."""
     if half:
         return b.fpext(b.bitcast(_load(b, addr, _I16), ir.HalfType()), _F32)
     return _load(b, addr, _F32)
-
-
-def _hsum(b, v):
-    """A fixed-order sum of the 16 lanes: halves added until one lane is left."""
-    i32 = ir.IntType(32)
-    width = 16
-    while width > 1:
-        width //= 2
-        lo = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width))))
-        hi = b.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, width), list(range(width, 2 * width))))
-        v = b.fadd(lo, hi)
-    return b.extract_element(v, ir.Constant(i32, 0))
-
-
-def _for(b, count, carried, body):
-    """for i in range(count): carried = body(i, carried); returns the final carried values."""
-    pre = b.block
-    head, loop, done = (b.append_basic_block(name) for name in ("head", "loop", "done"))
-    b.branch(head)
-    b.position_at_end(head)
-    i = b.phi(_I64)
-    i.add_incoming(ir.Constant(_I64, 0), pre)
-    phis = []
-    for v in carried:
-        phi = b.phi(v.type)
-        phi.add_incoming(v, pre)
-        phis.append(phi)
-    b.cbranch(b.icmp_signed("<", i, count), loop, done)
-    b.position_at_end(loop)
-    new = body(i, phis)
-    i.add_incoming(b.add(i, ir.Constant(_I64, 1)), b.block)
-    for phi, v in zip(phis, new, strict=True):
-        phi.add_incoming(v, b.block)
-    b.branch(head)
-    b.position_at_end(done)
-    return phis
 
 
 def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group, shared=False):
@@ -146,7 +107,7 @@ def _chunk_pair(b, bits, half, affine, data, scale, offset, p, group, shared=Fal
             off = b.fmul(sc, ir.Constant(_V, [-8.0] * 16))
         else:
             sc, off = _vector_at(b, scale, g, size, half), ir.Constant(_V, [0.0] * 16)
-        out.append(_fma(b, q, sc, off))
+        out.append(ir_fma16(b, q, sc, off))
     return out
 
 
@@ -181,15 +142,15 @@ def _dots(b, rows, x, n, y, chunk_pair, toks=1, x_stride=None, y_stride=None):
             w0, w1 = chunk_pair(p, k)
             for j, (x0, x1) in enumerate(xv):
                 i = 2 * (j * rows + k)
-                out[i], out[i + 1] = _fma(b, w0, x0, accs[i]), _fma(b, w1, x1, accs[i + 1])
+                out[i], out[i + 1] = ir_fma16(b, w0, x0, accs[i]), ir_fma16(b, w1, x1, accs[i + 1])
         return out
 
-    accs = _for(b, b.udiv(n, ir.Constant(_I64, 32)), [zero] * (2 * rows * toks), body)
+    accs = ir_for(b, b.udiv(n, ir.Constant(_I64, 32)), [zero] * (2 * rows * toks), body)
     for j in range(toks):
         yj = y if j == 0 else b.add(y, b.mul(ir.Constant(_I64, j), y_stride))
         for k in range(rows):
             i = 2 * (j * rows + k)
-            b.store(_hsum(b, b.fadd(accs[i], accs[i + 1])), _at(b, yj, _F32, 4 * k))
+            b.store(ir_hsum(b, b.fadd(accs[i], accs[i + 1])), _at(b, yj, _F32, 4 * k))
 
 
 def _dot_buffer(rows, toks=1):
@@ -244,7 +205,7 @@ def _dequantize(bits, half, affine):
                 b.store(w0, _at(b, w, _V, at), align=4)
                 b.store(w1, _at(b, w, _V, b.add(at, ir.Constant(_I64, 64))), align=4)
                 return []
-            _for(b, b.udiv(n, ir.Constant(_I64, 32)), [], body)
+            ir_for(b, b.udiv(n, ir.Constant(_I64, 32)), [], body)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 6), codegen
     return dequantize
