@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.sharding import TP_AXIS
 from pallas_kernels.quantized_matmul import isa as int8_isa
-from pallas_kernels.quantized_matmul.isa import ISAS as INT8_ISAS
 from pallas_kernels.ragged_paged_attention.cpu import CACHE_DTYPES as CPU_CACHE_DTYPES
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
@@ -69,7 +68,7 @@ class Kernels:
 
     def __post_init__(self):
         if (self.attention not in ATTENTION_IMPLS[1:] or self.matmul not in MATMUL_IMPLS[1:]
-                or self.layer_loop not in LAYER_LOOPS[1:] or self.int8_isa not in (None, *INT8_ISAS)):
+                or self.layer_loop not in LAYER_LOOPS[1:] or self.int8_isa not in (None, *int8_isa.ISAS)):
             raise ValueError(f"Kernels holds chosen implementations, not {self.attention!r} / {self.matmul!r} / "
                              f"{self.layer_loop!r} / {self.int8_isa!r}")
         if self.int8_isa is not None and self.matmul != "cpu":

@@ -48,10 +48,9 @@ def applies(x: jax.Array) -> bool:
 
 
 def int8_applies(x: jax.Array, fmt: QuantFormat) -> bool:
-    """The int8 kernel takes pairs of 32-value blocks, and weight groups it can line up with them: 16 values (a
-    block's two halves; symmetric only: offsets are applied per block), 32 or more, or a row."""
-    return applies(x) and x.shape[-1] % 64 == 0 and (fmt.group in (0, 16) or fmt.group >= 32) and not (
-        fmt.group == 16 and fmt.affine)
+    """The int8 kernel takes pairs of 32-value blocks and every grouping a format has (16 values: a block's two
+    halves, 32 or more, a row), except offsets by 16 (it adds offsets once a block)."""
+    return applies(x) and x.shape[-1] % 64 == 0 and not (fmt.group == 16 and fmt.affine)
 
 
 def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G], [L, out, G or 0], [] -> [T, out]

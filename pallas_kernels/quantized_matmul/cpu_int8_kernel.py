@@ -355,7 +355,7 @@ def _chunk_args(words, chunk):
             load64(words + 88), load64(words + 96), r0, min(o, r0 + ROWS_PER_CHUNK))
 
 
-TOKS = {"vnni512": 2, "vnni256": 2, "avx2": 2}  # inputs per pass over 4 weight rows (the registers they take)
+TOKS = 2  # inputs per pass over 4 weight rows: 4 spilled a quarter of the AVX-512 loop's registers
 PREFETCH_ROWS = 16
 X_BLOCK_BYTES = 1 << 17
 
@@ -364,7 +364,7 @@ def _chunk(isa, bits, half):
     """The loop over a chunk's output rows for one instruction set and data layout: ``chunk(words, c)``, a numba
     cfunc's body. Its closure holds only intrinsics, which numba's disk cache keys by their definitions (a
     dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache entry, every process)."""
-    toks = TOKS[isa]
+    toks = TOKS
     kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
         ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
     variants = [(m, off, r, t) for m, off in kinds for r in (4, 1) for t in (toks, 1)]
@@ -427,7 +427,7 @@ def handler(isa: str):
     """The XLA:CPU FFI handler (a numba cfunc, ``pallas_kernels.cpu_ffi.HANDLER``) of `isa`'s path, compiled (or
     loaded from numba's disk cache) on first use: a path is only ever built on a CPU that runs it."""
     if not isa_mod.supported(isa):
-        raise ValueError(f"this CPU cannot run the {isa} path (it runs: {', '.join(isa_mod.available()) or 'none'})")
+        raise ValueError(f"no {isa} path here ({isa_mod.describe()})")
     return _build(isa)
 
 

@@ -54,23 +54,12 @@ def best() -> str | None:
         if wanted == "none":
             return None
         if not supported(wanted):
-            raise ValueError(f"{ENV}={wanted}: this CPU ({', '.join(available()) or 'no integer path'}) "
-                             f"cannot run it")
+            raise ValueError(f"{ENV}={wanted}: {describe()}; cannot run it")
         return wanted
     paths = available()
     return paths[0] if paths else None
 
 
 def describe() -> str:
-    """One line for benchmark tables: the CPU's model name and the int8 paths it runs."""
-    import llvmlite.binding as llvm
-    name = llvm.get_host_cpu_name()
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    flags = ", ".join(k for k in ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512vnni", "avxvnni", "amx-int8")
-                      if _features().get(k, False))
-    return f"{model or 'unknown CPU'} (LLVM: {name}; {flags}; int8 path: {best() or 'none'})"
+    """For messages: the int8 paths this CPU runs."""
+    return f"this CPU runs: {', '.join(available()) or 'no integer path'}"
