@@ -105,29 +105,28 @@ def analyze_bucket(runner, cfg, mesh, bucket, context: int, prompt_len: int) -> 
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxllm.engine.scheduler import ScheduledStep
     from pallas_kernels.ragged_paged_attention.gpu import pages_walked
 
     def target(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))
 
-    args = jax.tree.map(target, (runner._abstract_params, runner._abstract_caches,
-                                 *runner._inputs(ScheduledStep([], []), bucket)[0]))
+    args = jax.tree.map(target, runner.abstract_args(bucket))
     start = time.perf_counter()
-    lowered = runner._jit.lower(*args)
+    lowered = runner.executables.jitted.lower(*args)
     mid = time.perf_counter()
-    compiled = lowered.compile(compiler_options=runner._compiler_options or None)  # as the engine compiles it
+    # as the engine compiles it
+    compiled = lowered.compile(compiler_options=runner.executables.compiler_options or None)
     text = compiled.as_text()
     compile_s = time.perf_counter() - mid
     tokens, seqs = bucket
     q_lens, kv_lens = scenario(bucket, context, prompt_len)
-    cache = runner._abstract_caches[0]
+    cache = runner.abstract_caches[0]
     kvh, _, page_size, head_dim = cache.shape
     page_bytes = page_size * head_dim * cache.dtype.itemsize  # one page of one KV head, K or V
     cache_bytes = int(np.prod(cache.shape)) * cache.dtype.itemsize
     walked = pages_walked(q_lens, kv_lens, num_tokens=tokens, num_seqs=seqs, num_kv_heads=kvh,
                           group=cfg.num_heads // cfg.num_kv_heads, head_dim=head_dim, page_size=page_size,
-                          max_pages=runner.max_pages_per_seq)
+                          max_pages=runner.inputs.max_pages_per_seq)
     attention_kv = walked * kvh * 2 * page_bytes  # per layer: K and V pages walked by every KV head's programs
 
     def custom_bytes(ins, comp):
@@ -139,7 +138,7 @@ def analyze_bucket(runner, cfg, mesh, bucket, context: int, prompt_len: int) -> 
     report = analyze(text, custom_bytes)
     gemms = gemm_fusions(text)
     s = summary(report)
-    weights = [p for p in runner._abstract_params]
+    weights = list(runner.abstract_params)
     stacked = {f"{p.dtype}[{','.join(map(str, p.shape))}]".replace("bfloat16", "bf16").replace("float32", "f32")
                for p in weights if p.ndim == 3 and p.shape[0] == cfg.num_layers}
     weight_slices = [m for m in s["moves"] if m["source"] in stacked]

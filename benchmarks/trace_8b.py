@@ -17,7 +17,6 @@ import jax.numpy as jnp
 
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner
-from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.plan import bundled_model_config
 
@@ -39,9 +38,9 @@ def main() -> None:
     totals = {"trace": 0.0, "lower": 0.0, "compile": 0.0}
     print("| bucket (tokens x seqs) | trace s | lower s |" + (" compile s |" if args.compile else ""))
     for bucket in runner.buckets:
-        inputs = runner._inputs(ScheduledStep([], []), bucket)[0]
+        args = runner.abstract_args(bucket)
         start = time.perf_counter()
-        traced = runner._jit.trace(runner._abstract_params, runner._abstract_caches, *inputs)
+        traced = runner.executables.jitted.trace(*args)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()

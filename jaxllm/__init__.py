@@ -14,10 +14,10 @@ _EXPORTS = {
     "PoolingRequestOutput": "jaxllm.outputs", "RequestOutput": "jaxllm.outputs",
     "EngineConfig": "jaxllm.engine.config",
     "PoolingParams": "jaxllm.pooling_params",
-    "SamplingParams": "jaxllm.sampling_params",
+    "RequestOutputKind": "jaxllm.sampling_params", "SamplingParams": "jaxllm.sampling_params",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "SamplingParams"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from jaxllm.llm import LLM
     from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
     from jaxllm.pooling_params import PoolingParams
-    from jaxllm.sampling_params import SamplingParams
+    from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):

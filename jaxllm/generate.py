@@ -23,7 +23,7 @@ from jaxllm.engine.config import EngineConfig, default_preset
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.errors import InvalidRequestError
 from jaxllm.loading.errors import LoadError
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -155,10 +155,13 @@ def main(argv: list[str] | None = None) -> int:
         seqs = min(len(prepared) * args.n, cfg.max_num_seqs)
         first = min(sum(len(p.ids) for p in prepared) * args.n, cfg.max_num_batched_tokens)
         runner.prebuild([runner.bucket_for(first, seqs), runner.bucket_for(seqs, seqs)])
+    stream = len(prompts) == 1 and args.n == 1
+    if stream:  # each output carries what is new: printed as it comes
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     for i, prep in enumerate(prepared):
         engine.add_request(str(i), prep[1], params, prepared=prep)
-    stream = len(prompts) == 1 and args.n == 1
-    printed, first_token_at, prompt_tokens, generated = 0, None, 0, 0
+    first_token_at, prompt_tokens, generated = None, 0, 0
+    streamed_logprobs = []
     compile_before_first = 0.0
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -166,20 +169,21 @@ def main(argv: list[str] | None = None) -> int:
                 first_token_at = time.perf_counter()
                 compile_before_first = runner.build_wait_s
             if stream:
-                text = out.outputs[0].text
-                sys.stdout.write(text[printed:])
+                sys.stdout.write(out.outputs[0].text)
                 sys.stdout.flush()
-                printed = len(text)
+                generated += len(out.outputs[0].token_ids)
+                streamed_logprobs += out.outputs[0].logprobs or []
             if out.finished:
                 prompt_tokens += len(out.prompt_token_ids)
-                generated += sum(len(c.token_ids) for c in out.outputs)
+                if not stream:
+                    generated += sum(len(c.token_ids) for c in out.outputs)
                 if not stream:
                     for c in out.outputs:
                         label = f"[{out.request_id}" + (f".{c.index}]" if args.n > 1 else "]")
                         print(f"{label} {prompts[int(out.request_id)]}\n{c.text}\n")
                 if args.logprobs is not None:
                     for c in out.outputs:
-                        for step in c.logprobs:
+                        for step in streamed_logprobs if stream else c.logprobs:
                             print("  " + "  ".join(f"{lp.decoded_token!r}:{lp.logprob:.3f}" for lp in step.values()))
     end = time.perf_counter()
     if stream:

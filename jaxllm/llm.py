@@ -4,6 +4,7 @@ an encoder) ``.embed``, ``.encode``, ``.classify``, ``.score`` and ``.rerank``."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -27,7 +28,7 @@ from jaxllm.outputs import (
     ScoringRequestOutput,
 )
 from jaxllm.pooling_params import CLASSIFY, EMBED, PoolingParams
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 # text, or {"prompt_token_ids": [...]} / {"prompt": "..."} (jaxllm.inputs: TokensPrompt / TextPrompt), optionally
@@ -149,6 +150,9 @@ class LLM:
             raise ValueError(f"{len(params)} {kind.__name__} for {len(prompts)} prompts")
         if not all(isinstance(p, kind) for p in params):
             raise TypeError(f"expected {kind.__name__} (or a list of them)")
+        if kind is SamplingParams:  # as vLLM's LLM: one output per request, when it finished
+            final = RequestOutputKind.FINAL_ONLY
+            params = [p if p.output_kind == final else dataclasses.replace(p, output_kind=final) for p in params]
         # Validate everything before adding anything: a bad prompt or parameter leaves no request behind.
         prepared = []
         for prompt, p in zip(prompts, params, strict=True):

@@ -8,6 +8,7 @@ Every entry point (the Python API, the CLI, HTTP) builds one of these, so they a
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import math
 import operator
@@ -141,6 +142,15 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """vLLM's: what each output of a request holds. CUMULATIVE: everything so far; DELTA: what is new since the
+    last output (text, token ids, logprobs; prompt logprobs in the first only); FINAL_ONLY: one output, when the
+    request finished. A stream of DELTA outputs costs O(tokens) over its whole length."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     n: int = 1
@@ -163,9 +173,14 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None  # or a dict of its fields
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         put = object.__setattr__
+        try:
+            put(self, "output_kind", RequestOutputKind(self.output_kind))
+        except ValueError:
+            _fail("output_kind", "must be 0 (cumulative), 1 (delta) or 2 (final only)", self.output_kind)
         if self.structured_outputs is not None:
             put(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
         put(self, "n", check_int("n", self.n, 1, MAX_INT))

@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = LLMEngine(settings.engine)
     if settings.chat_template is not None and engine.tokenizer is not None:
         engine.tokenizer.set_chat_template(settings.chat_template)
-    source = {k: getattr(settings.engine, k) for k in ("model", "revision", "download_dir")}
-    core = EngineCoreServer(engine, args.address, secret, {**source, "rank": rank})
+    core = EngineCoreServer(engine, args.address, secret, rank=rank)
     signal.signal(signal.SIGTERM, lambda *_: core.stop(settings.drain_timeout_s))
     signal.signal(signal.SIGINT, lambda *_: core.stop(0.0))
     status = core.serve_forever()

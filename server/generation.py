@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
 from jaxllm.errors import EngineBusyError
-from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from server.bridge import OutputStream
 from server.errors import APIError
 from server.state import ServerState
@@ -17,19 +18,42 @@ from server.state import ServerState
 POLL_S = 0.25  # how often a waiting request checks that its client and the engine are still there
 
 
+class Held:
+    """A streamed choice's tokens not sent yet (their text is empty so far: a partial character, a held-back
+    stop string): they go out with the choice's next chunk, so that every token's logprobs are sent once."""
+
+    def __init__(self):
+        self.text, self.token_ids, self.logprobs = "", [], None
+
+    def keep(self, c: CompletionOutput, text: bool = True) -> None:
+        """c: what `take` returned (this one's held part included); text: keep its text too (False: the caller
+        consumed it)."""
+        self.text, self.token_ids, self.logprobs = c.text if text else "", c.token_ids, c.logprobs
+
+    def take(self, c: CompletionOutput) -> CompletionOutput:
+        """c (a delta) with what was held before it."""
+        if not self.token_ids and not self.text:
+            return c
+        merged = dataclasses.replace(c, text=self.text + c.text, token_ids=self.token_ids + c.token_ids,
+                                     logprobs=None if c.logprobs is None else (self.logprobs or []) + c.logprobs)
+        self.text, self.token_ids, self.logprobs = "", [], None
+        return merged
+
+
 class ClientGone(Exception):
     """The client closed its connection before the answer was ready; its engine requests are aborted."""
 
 
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt, each already `engine.prepare_prompt`d), with
-    their latest outputs.
+    """The engine requests behind one HTTP request (one per prompt, each already `engine.prepare_prompt`d). Their
+    params ask for DELTA outputs when the response streams (each carries what is new: a stream costs O(tokens))
+    and for FINAL_ONLY ones otherwise (one whole output per prompt).
 
     Engine request ids are generated here, never taken from the client (an `X-Request-Id` a client chose could
     name another client's request, to abort it or to collide with it)."""
 
     def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, *,
-                 cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
+                 stream: bool, cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
         if not state.loop.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
         if len(prompts) * params.n > state.capacity:
@@ -41,7 +65,11 @@ class Generation:
         self.client_gone = client_gone
         base = uuid.uuid4().hex
         self.ids = [f"{base}-{i}" for i in range(len(prompts))]
-        self.latest: dict[str, RequestOutput] = {}
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if stream else
+                                     RequestOutputKind.FINAL_ONLY)
+        self.latest: dict[str, RequestOutput] = {}  # each request's latest output (not streaming: its whole one)
+        self.finished: set[str] = set()
+        self.prompt_tokens = self.completion_tokens = 0
         self.stream = OutputStream()
         self.start = time.monotonic()
         self.first_output_at: float | None = None
@@ -66,7 +94,7 @@ class Generation:
         metrics = self.state.metrics
         last = None
         checked = time.monotonic()
-        while len([o for o in self.latest.values() if o.finished]) < len(self.ids):
+        while len(self.finished) < len(self.ids):
             item = self.stream.get(timeout=POLL_S)
             now = time.monotonic()
             if item is None or now - checked >= POLL_S:  # outputs may arrive every step: check on a clock
@@ -92,6 +120,11 @@ class Generation:
             elif last is not None:
                 metrics.itl.observe(now - last)
             last = now
+            if item.request_id not in self.latest:
+                self.prompt_tokens += len(item.prompt_token_ids)
+            self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
+            if item.finished:
+                self.finished.add(item.request_id)
             self.latest[item.request_id] = item
             yield item
         self.finish()
@@ -110,13 +143,12 @@ class Generation:
             return
         self.done = True
         self.state.active_requests -= len(self.ids)
-        unfinished = [i for i in self.ids if not (i in self.latest and self.latest[i].finished)]
+        unfinished = [i for i in self.ids if i not in self.finished]
         self._abort(unfinished)
         if not unfinished:
             self.state.metrics.e2e.observe(time.monotonic() - self.start)
 
     @property
     def usage(self) -> dict[str, int]:
-        prompt = sum(len(o.prompt_token_ids) for o in self.latest.values())
-        completion = sum(len(c.token_ids) for o in self.latest.values() for c in o.outputs)
+        prompt, completion = self.prompt_tokens, self.completion_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -15,7 +15,6 @@ from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.multimodal.chat import chat_images, has_images
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.outputs import CompletionOutput, RequestOutput
-from jaxllm.pooling_params import PoolingParams
 from jaxllm.reasoning import reasoning_parser
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
@@ -23,7 +22,7 @@ from jaxllm.tools.parsers import parser_for_template, tool_parser
 from server.bridge import offload
 from server.disconnect import client_gone
 from server.errors import ERROR_TYPES, APIError
-from server.generation import ClientGone, Generation
+from server.generation import ClientGone, Generation, Held
 from server.parsing import invalid, parse
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
@@ -46,10 +45,10 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         raise invalid(e) from None
 
 
-def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams, cache_salt: str | None,
+def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None, *, stream: bool,
           prompt_param: str = "prompt", images: list | None = None) -> Generation:
-    """Validates and tokenizes the prompts (or a pooling request's inputs) off the hub thread, then hands them to
-    the engine. images: a single prompt's images (decoded), preprocessed there too."""
+    """Validates and tokenizes the prompts off the hub thread, then hands them to the engine. images: a single
+    prompt's images (decoded), preprocessed there too; stream: the outputs are deltas (`Generation`)."""
     engine = state().engine
     try:
         prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt,
@@ -61,7 +60,8 @@ def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams
             e.param = prompt_param
         raise invalid(e) from None
     environ = request.environ
-    return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+    return Generation(state(), prepared, params, stream=stream, cache_salt=cache_salt,
+                      client_gone=lambda: client_gone(environ))
 
 
 def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
@@ -132,8 +132,8 @@ def _legacy_logprobs(pairs, n: int, tok, offset0: int) -> dict:
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _completion_logprobs(c: CompletionOutput, n: int, start: int, tok, offset0: int) -> dict:
-    return _legacy_logprobs(zip(c.token_ids[start:], c.logprobs[start:], strict=False), n, tok, offset0)
+def _completion_logprobs(c: CompletionOutput, n: int, tok, offset0: int) -> dict:
+    return _legacy_logprobs(zip(c.token_ids, c.logprobs, strict=False), n, tok, offset0)
 
 
 def _echoed_logprobs(out: RequestOutput, n: int, tok) -> dict:
@@ -157,7 +157,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
 def completions():
     req = parse(CompletionRequest)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    gen = start(req.prompts(), params, req.cache_salt)
+    gen = start(req.prompts(), params, req.cache_salt, stream=req.stream)
     created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
     tok = state().engine.tokenizer
 
@@ -179,9 +179,9 @@ def completions():
                 if req.logprobs is not None and req.echo:
                     echoed = _echoed_logprobs(out, req.logprobs, tok)
                     offset = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
-                    lp = _joined(echoed, _completion_logprobs(c, req.logprobs, 0, tok, offset))
+                    lp = _joined(echoed, _completion_logprobs(c, req.logprobs, tok, offset))
                 elif req.logprobs is not None:
-                    lp = _completion_logprobs(c, req.logprobs, 0, tok, 0)
+                    lp = _completion_logprobs(c, req.logprobs, tok, 0)
                 choice = {"index": choice_index(i, c), "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if req.prompt_logprobs is not None:
@@ -194,33 +194,32 @@ def completions():
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
 
     def events():
-        sent_text: dict[tuple[str, int], int] = {}
-        sent_tokens: dict[tuple[str, int], int] = {}
+        sent_chars: dict[tuple[str, int], int] = {}  # generated text sent so far (logprobs' text offsets)
+        held: dict[tuple[str, int], Held] = {}
         echo_end: dict[tuple[str, int], int] = {}
         finished: set[tuple[str, int]] = set()
-        for out in gen.updates():
+        for out in gen.updates():  # deltas: what is new since the last output
             i = gen.ids.index(out.request_id)
             for c in out.outputs:
                 key = (out.request_id, c.index)
                 if key in finished:
                     continue
-                first = key not in sent_text
-                delta = c.text[sent_text.get(key, 0):]
+                first = key not in sent_chars
+                c = held.setdefault(key, Held()).take(c)
+                delta = c.text
                 if first and req.echo:
                     delta = prompt_text(out) + delta
-                new_tokens = sent_tokens.get(key, 0)
                 if not delta and not c.finished() and not first:
+                    held[key].keep(c)  # tokens with no text yet: their logprobs go with the next chunk
                     continue
                 lp = None
                 if req.logprobs is not None:
                     echoed = _echoed_logprobs(out, req.logprobs, tok) if first and req.echo else None
                     if echoed is not None:  # offsets of the generated text count from the end of the echoed prompt
                         echo_end[key] = echoed["text_offset"][-1] + len(echoed["tokens"][-1])
-                    lp = _completion_logprobs(c, req.logprobs, new_tokens, tok,
-                                              echo_end.get(key, 0) + sent_text.get(key, 0))
+                    lp = _completion_logprobs(c, req.logprobs, tok, echo_end.get(key, 0) + sent_chars.get(key, 0))
                     lp = _joined(echoed, lp) if echoed is not None else lp
-                sent_text[key] = len(c.text)
-                sent_tokens[key] = len(c.token_ids)
+                sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
                 if c.finished():
                     finished.add(key)
                 yield {"id": cid, "object": "text_completion", "created": created, "model": model,
@@ -234,9 +233,9 @@ def completions():
 
 
 # -- chat
-def _chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict:
+def _chat_logprobs(c: CompletionOutput, top_n: int) -> dict:
     content = []
-    for token_id, entry in zip(c.token_ids[start:], c.logprobs[start:], strict=False):
+    for token_id, entry in zip(c.token_ids, c.logprobs, strict=False):
         chosen = entry[token_id]
         ranked = sorted(entry.values(), key=lambda lp: -lp.logprob)[:top_n]
         content.append({"token": chosen.decoded_token, "logprob": chosen.logprob,
@@ -274,7 +273,7 @@ def chat_completions():
         raise APIError(400, str(e), param="messages") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    gen = start([ids], params, req.cache_salt, prompt_param="messages", images=images)
+    gen = start([ids], params, req.cache_salt, stream=req.stream, prompt_param="messages", images=images)
     created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:
@@ -288,7 +287,7 @@ def chat_completions():
             if split:
                 msg["reasoning_content"] = split.reasoning or None
             choices.append({"index": c.index, "message": msg,
-                            "logprobs": _chat_logprobs(c, 0, top_n) if req.logprobs else None,
+                            "logprobs": _chat_logprobs(c, top_n) if req.logprobs else None,
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         log_request(gen)
         body = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
@@ -307,27 +306,37 @@ def chat_completions():
         return body
 
     def events():
+        # The plain case streams each delta as it comes; a reasoning or tool-call parser reads the whole text so far
+        # (kept here) and what it parsed is diffed against what was sent.
+        whole = thinking is not None or mode is not None
+        texts: dict[int, str] = {}
         sent_text: dict[int, int] = {}
         sent_reasoning: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
+        held: dict[int, Held] = {}
         finished: set[int] = set()
         tool_streams = {c: ChoiceStream(mode, req, parser) for c in range(req.n)} if mode else {}
         for c in range(req.n):
             yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
-        for out in gen.updates():
+        for out in gen.updates():  # deltas: what is new since the last output
             for c in out.outputs:
                 if c.index in finished:
                     continue
-                split = thinking.split(c.text, c.finished()) if thinking else None
-                text = split.content if split else c.text
-                reasoning = split.reasoning[sent_reasoning.get(c.index, 0):] if split else ""
-                delta = text[sent_text.get(c.index, 0):]
+                c = held.setdefault(c.index, Held()).take(c)
+                if whole:
+                    texts[c.index] = text = texts.get(c.index, "") + c.text
+                    split = thinking.split(text, c.finished()) if thinking else None
+                    text = split.content if split else text
+                    reasoning = split.reasoning[sent_reasoning.get(c.index, 0):] if split else ""
+                    delta = text[sent_text.get(c.index, 0):]
+                    sent_text[c.index] = len(text)
+                    sent_reasoning[c.index] = len(split.reasoning) if split else 0
+                else:
+                    delta, reasoning = c.text, ""
                 if not delta and not reasoning and not c.finished():
+                    held[c.index].keep(c, text=not whole)  # their logprobs go with the next chunk
                     continue
-                lp = _chat_logprobs(c, sent_tokens.get(c.index, 0), top_n) if req.logprobs else None
-                sent_text[c.index], sent_tokens[c.index] = len(text), len(c.token_ids)
-                sent_reasoning[c.index] = len(split.reasoning) if split else 0
+                lp = _chat_logprobs(c, top_n) if req.logprobs else None
                 if c.finished():
                     finished.add(c.index)
                 if reasoning:

@@ -108,8 +108,7 @@ class BlockManager:
             self._take(page)
         seq.block_table = list(pages)
         seq.page_hashes = [self.hash_of_page[p] for p in pages]
-        seq.num_computed_tokens = seq.num_cached_tokens = len(pages) * self.page_size
-        self.prefix_hits += seq.num_cached_tokens
+        self.prefix_hits += len(pages) * self.page_size
 
     def _take(self, page: int) -> None:
         if self.ref_counts[page] == 0:

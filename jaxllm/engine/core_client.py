@@ -3,14 +3,15 @@
 
 `engine` is a `Frontend` built from the limits the core sends at the handshake and the model's tokenizer,
 loaded here: prompts are tokenized and validated in this process. One reader (a greenlet under gevent, else a
-daemon thread) receives outputs and hands them to each request's callback, rebuilt into cumulative
-`RequestOutput`s. When the core's connection drops (the process died) every unfinished request gets an
-`EngineDeadError` at once and `alive` turns false; when a core is listening on the address again, the client
-passes the handshake again and serves."""
+daemon thread) receives outputs and hands them to each request's callback, as the engine made them. When the
+core's connection drops (the process died) every unfinished request gets an `EngineDeadError` at once and
+`alive` turns false; when a core is listening on the address again, the client passes the handshake again and
+serves."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -21,9 +22,8 @@ from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError, gevent_active
 from jaxllm.engine.frontend import Frontend, PreparedPrompt
 from jaxllm.errors import EngineBusyError, InvalidRequestError
-from jaxllm.multimodal.inputs import MultiModalSpec
-from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import RequestLimits, SamplingParams
+from jaxllm.outputs import PoolingRequestOutput, RequestOutput
+from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm.engine_client")
 HEARTBEAT_TIMEOUT_S = 10.0  # no stats for this long from a connected core: it is hung, treat it as dead
@@ -34,9 +34,18 @@ class EngineCoreRefused(RuntimeError):
     pass
 
 
+@dataclasses.dataclass
+class _Request:
+    """A request sent to the core: what its outputs are rebuilt with, and who gets them."""
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    on_output: Callable[[RequestOutput | PoolingRequestOutput | Exception], None]
+
+
 class EngineCoreClient:
     def __init__(self, address: str, secret: str, *, timeout_s: float = 600.0,
-                 tokenizer_loader: Callable[[dict], object] | None = None):
+                 tokenizer_loader: Callable[[proto.CoreInfo], object] | None = None):
         self.green = gevent_active()
         if self.green:
             import zmq.green as zmq
@@ -47,7 +56,7 @@ class EngineCoreClient:
         self.ctx = zmq.Context()
         self._lock = contextlib.nullcontext() if self.green else threading.Lock()
         self._connect()
-        self.requests: dict[str, proto.OutputAssembler] = {}
+        self.requests: dict[str, _Request] = {}
         self.stats: dict = {}
         self.sent_since_stats: set[str] = set()
         self.finished_since_stats = 0
@@ -62,14 +71,10 @@ class EngineCoreClient:
             self.sock.close(linger=0)
             self.ctx.term()
             raise
-        self.info, self.stats = info, info.get("stats", {})
+        self.info, self.stats = info, info.stats
         load = tokenizer_loader or _load_tokenizer
-        self.engine = Frontend(load(info), RequestLimits(vocab_size=info["vocab_size"],
-                                                         max_model_len=info["max_model_len"], max_n=info["max_n"],
-                                                         hidden_size=info["hidden_size"],
-                                                         tasks=tuple(info["tasks"])),
-                               tuple(info["eos_token_ids"]), info["model_name"], info["score_template"],
-                               MultiModalSpec.from_dict(info["mm_spec"]) if info.get("mm_spec") else None)
+        self.engine = Frontend(load(info), info.limits, info.eos_token_ids, info.model_name, info.score_template,
+                               info.mm_spec)
         self._start_reader()
 
     def _connect(self) -> None:
@@ -101,7 +106,7 @@ class EngineCoreClient:
 
     @property
     def capacity(self) -> int:
-        return self.info["max_num_seqs"] + self.info["max_waiting_requests"]
+        return self.info.capacity
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput | Exception], None], cache_salt: str | None = None, *,
@@ -109,9 +114,9 @@ class EngineCoreClient:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine core is not connected")
         text, ids, mm = PreparedPrompt(*(prepared or self.engine.prepare_prompt(prompt, params, cache_salt)))
-        self.requests[request_id] = proto.OutputAssembler(request_id, text, ids, on_output)
-        payload = proto.encode("add", request_id, text, ids, params, cache_salt, *(() if mm is None else
-                                                                                    (mm.to_wire(),)))
+        self.requests[request_id] = _Request(request_id, text, ids, on_output)
+        images = None if mm is None else [proto.WireImage(rows, tuple(grid)) for rows, grid in mm.to_wire()]
+        payload = proto.encode(proto.Add(request_id, text, ids, proto.params_to_wire(params), cache_salt, images))
         with self._lock:
             self.sock.send(payload)
         self.sent_since_stats.add(request_id)
@@ -119,7 +124,7 @@ class EngineCoreClient:
     def abort_request(self, request_id: str) -> None:
         if request_id in self.requests and self.alive:
             with self._lock:
-                self.sock.send(proto.encode("abort", request_id))
+                self.sock.send(proto.encode(proto.Abort(request_id)))
 
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         deadline = time.monotonic() + drain_timeout_s
@@ -130,29 +135,30 @@ class EngineCoreClient:
         self.stopped = True
 
     # -- the handshake
-    def _handshake(self, timeout_s: float) -> dict:
+    def _handshake(self, timeout_s: float) -> proto.CoreInfo:
         """Blocks until a core on the address accepted this client's proof of the secret; returns its info."""
         zmq = self.zmq
         deadline = time.monotonic() + timeout_s
         answered: set[bytes] = set()
         while True:
             try:
-                self.sock.send(proto.encode("hello"), flags=zmq.NOBLOCK)
+                self.sock.send(proto.encode(proto.Hello()), flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass  # not connected yet
             poll_until = min(deadline, time.monotonic() + HANDSHAKE_RETRY_S)
             while time.monotonic() < poll_until:
                 if not self.sock.poll(int(max(0.0, poll_until - time.monotonic()) * 1000) + 1, zmq.POLLIN):
                     continue
-                message = proto.decode(self.sock.recv())
-                if message[0] == "challenge" and message[1] not in answered:
-                    answered.add(message[1])
-                    self.sock.send(proto.encode("auth", proto.prove(self.secret, message[1])))
-                elif message[0] == "ready":
+                message = proto.decode_core(self.sock.recv())
+                if isinstance(message, proto.Challenge) and message.nonce not in answered:
+                    answered.add(message.nonce)
+                    self.sock.send(proto.encode(proto.Auth(proto.prove(self.secret, message.nonce))))
+                elif isinstance(message, proto.Ready):
                     self._ready, self._last_heard = True, time.monotonic()
-                    return message[1]
-                elif message[0] == "refused":
-                    raise EngineCoreRefused(f"the engine core at {self.address} refused this client: {message[1]}")
+                    return message.info
+                elif isinstance(message, proto.Refused):
+                    raise EngineCoreRefused(f"the engine core at {self.address} refused this client: "
+                                            f"{message.reason}")
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no engine core answered at {self.address} within {timeout_s:.0f} s")
 
@@ -197,7 +203,7 @@ class EngineCoreClient:
             for payload in messages:
                 self._last_heard = time.monotonic()
                 try:
-                    self._dispatch(proto.decode(payload))
+                    self._dispatch(proto.decode_core(payload))
                 except Exception:
                     logger.exception("bad message from the engine core")
             if self._ready and time.monotonic() - self._last_heard > HEARTBEAT_TIMEOUT_S:
@@ -205,27 +211,27 @@ class EngineCoreClient:
             if not events and not self.green:
                 time.sleep(wait_ms / 1000)
 
-    def _dispatch(self, message: list) -> None:
-        kind = message[0]
-        if kind == "outs":  # one step's outputs for this client
-            for item in message[1]:
+    def _dispatch(self, message: proto.CoreMessage) -> None:
+        if isinstance(message, proto.Outs):  # one step's outputs for this client
+            for item in message.items:
                 self._dispatch(item)
-        elif kind == "out":
-            assembler = self.requests.get(message[1])
-            if assembler is not None:
-                out = assembler.apply(message[2])
+        elif isinstance(message, proto.Out):
+            r = self.requests.get(message.request_id)
+            if r is not None:
+                out = proto.output_from_wire(message.output, r.request_id, r.prompt, r.prompt_ids)
                 if out.finished:
-                    del self.requests[message[1]]
-                    self._ended(message[1])
-        elif kind == "fail":
-            assembler = self.requests.pop(message[1], None)
-            if assembler is not None:
-                self._ended(message[1])
+                    del self.requests[message.request_id]
+                    self._ended(message.request_id)
+                r.on_output(out)
+        elif isinstance(message, proto.Fail):
+            r = self.requests.pop(message.request_id, None)
+            if r is not None:
+                self._ended(message.request_id)
                 error = {"invalid": InvalidRequestError, "dead": EngineDeadError,
-                         "full": EngineBusyError}.get(message[2], RuntimeError)
-                assembler.on_output(error(message[3]))
-        elif kind == "stats":
-            self.stats = message[1]
+                         "full": EngineBusyError}.get(message.kind, RuntimeError)
+                r.on_output(error(message.message))
+        elif isinstance(message, proto.Stats):
+            self.stats = message.stats
             self.sent_since_stats.clear()
             self.finished_since_stats = 0
 
@@ -243,11 +249,11 @@ class EngineCoreClient:
         requests, self.requests = self.requests, {}
         self.sent_since_stats.clear()
         self.finished_since_stats = 0
-        for assembler in requests.values():
+        for r in requests.values():
             try:
-                assembler.on_output(EngineDeadError(why))
+                r.on_output(EngineDeadError(why))
             except Exception:
-                logger.exception("request %s: its output callback failed", assembler.request_id)
+                logger.exception("request %s: its output callback failed", r.request_id)
 
     def _reconnect(self) -> None:
         """A new socket (the old one's queue may hold the dead core's leftovers), then the handshake again."""
@@ -263,12 +269,12 @@ class EngineCoreClient:
                 logger.error("%s", e)
                 time.sleep(HANDSHAKE_RETRY_S)
                 return
-        self.info, self.stats, self.error = info, info.get("stats", {}), None
+        self.info, self.stats, self.error = info, info.stats, None
         logger.info("engine core at %s connected again", self.address)
 
 
-def _load_tokenizer(info: dict):
+def _load_tokenizer(info: proto.CoreInfo):
     from jaxllm.loading import load_tokenizer
 
     # None: the embedded model; a hub id resolves from this host's Hugging Face cache (fetched if missing)
-    return load_tokenizer(info.get("model"), revision=info.get("revision"), download_dir=info.get("download_dir"))
+    return load_tokenizer(info.model, revision=info.revision, download_dir=info.download_dir)

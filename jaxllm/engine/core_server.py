@@ -19,6 +19,7 @@ import logging
 import time
 import traceback
 
+import msgspec
 import zmq
 
 from jaxllm.engine import core_protocol as proto
@@ -41,19 +42,17 @@ def _fail_kind(e: Exception) -> str:
 
 
 class EngineCoreServer:
-    def __init__(self, engine: LLMEngine, address: str, secret: str, info: dict):
+    def __init__(self, engine: LLMEngine, address: str, secret: str, *, rank: int = 0):
         if not secret:
             raise ValueError("an engine core needs a shared secret (JAXLLM_ENGINE_SECRET)")
         self.engine, self.secret = engine, secret
-        self.info = {**info, "model_name": engine.model_name, "max_model_len": engine.max_model_len,
-                     "vocab_size": engine.limits.vocab_size, "max_n": engine.limits.max_n,
-                     "hidden_size": engine.limits.hidden_size, "tasks": list(engine.limits.tasks),
-                     "score_template": engine.frontend.score_template,
-                     "mm_spec": engine.mm_spec.to_dict() if engine.mm_spec else None,
-                     "eos_token_ids": list(engine.eos_token_ids), "max_num_seqs": engine.config.max_num_seqs,
-                     "max_waiting_requests": engine.config.max_waiting_requests,
-                     "page_size": engine.config.page_size}
-        self._pending: dict[bytes, list] = {}  # this iteration's outputs per client
+        c = engine.config
+        self.info = proto.CoreInfo(
+            model_name=engine.model_name, limits=engine.limits, eos_token_ids=engine.eos_token_ids,
+            score_template=engine.frontend.score_template, mm_spec=engine.mm_spec, max_num_seqs=c.max_num_seqs,
+            max_waiting_requests=c.max_waiting_requests, page_size=c.page_size, model=c.model, revision=c.revision,
+            download_dir=c.download_dir, rank=rank)
+        self._pending: dict[bytes, list[proto.Out | proto.Fail]] = {}  # this iteration's outputs per client
         self._pending_done: dict[bytes, list[str]] = {}  # and the core-side ids of requests that ended
         self.loop = EngineLoop(engine, flush=self._flush, thread=False)
         self.capacity = self.loop.capacity
@@ -84,16 +83,14 @@ class EngineCoreServer:
             if owned is None:
                 continue  # dropped already: its requests are being aborted
             owned.difference_update(done.get(client, ()))
-            self._send(client, proto.encode("outs", items))
+            self._send(client, proto.encode(proto.Outs(items)))
 
     def _callback(self, client: bytes, request_id: str, core_id: str):
-        deltas = proto.OutputDeltas()
-
         def on_output(out):
             if isinstance(out, Exception):
-                item, ended = ["fail", request_id, _fail_kind(out), str(out)], True
+                item, ended = proto.Fail(request_id, _fail_kind(out), str(out)), True
             else:
-                item, ended = ["out", request_id, deltas.delta(out)], out.finished
+                item, ended = proto.Out(request_id, proto.output_to_wire(out)), out.finished
             self._pending.setdefault(client, []).append(item)
             if ended:
                 self._pending_done.setdefault(client, []).append(core_id)
@@ -124,7 +121,7 @@ class EngineCoreServer:
             now = time.monotonic()
             if now - last_stats >= STATS_INTERVAL_S:
                 last_stats = now
-                self._broadcast(proto.encode("stats", self.loop.stats))
+                self._broadcast(proto.encode(proto.Stats(self.loop.stats)))
             if self._stop_at is not None and (now >= self._stop_at or not self.engine.has_unfinished_requests()):
                 self.loop.shutdown()  # what is still running is aborted
                 return 0
@@ -167,7 +164,7 @@ class EngineCoreServer:
             spec = self.engine.mm_spec
             if spec is None:
                 raise InvalidRequestError("this model does not take images", "multi_modal_data")
-            images = images_from_wire(images, spec.patch_dim)
+            images = images_from_wire([(w.rows, w.grid) for w in images], spec.patch_dim)
         _, ids, mm = self.engine.prepare_prompt(ids, params, cache_salt, images)  # validated again, here
         prompt = PreparedPrompt(text, ids, mm)
         self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
@@ -179,7 +176,7 @@ class EngineCoreServer:
             self._add(core_id, text, ids, params, cache_salt, on_output, images)
             self._compiled.put((client, core_id, None))
         except Exception as e:
-            self._compiled.put((client, core_id, proto.encode("fail", request_id, _fail_kind(e), str(e))))
+            self._compiled.put((client, core_id, proto.encode(proto.Fail(request_id, _fail_kind(e), str(e)))))
 
     def _take_compiled(self) -> None:
         while True:
@@ -203,55 +200,56 @@ class EngineCoreServer:
             except zmq.Again:
                 return
             try:
-                message = proto.decode(payload)
+                message = proto.decode_client(payload)
                 self._handle(client, message)
             except Exception as e:  # a malformed message: refuse it, never die of it
                 logger.warning("bad message from client %s: %s", client.hex(), e)
 
-    def _handle(self, client: bytes, message: list) -> None:
-        kind = message[0]
-        if kind == "hello":  # a repeated hello gets the same challenge (each socket has its own identity)
-            if client not in self.clients:
+    def _handle(self, client: bytes, message: proto.ClientMessage) -> None:
+        if isinstance(message, proto.Hello):  # a repeated hello gets the same challenge (each socket has its own
+            if client not in self.clients:    # identity)
                 nonce = self.nonces.setdefault(client, proto.new_nonce())
-                self._send(client, proto.encode("challenge", nonce))
-        elif kind == "auth":
+                self._send(client, proto.encode(proto.Challenge(nonce)))
+        elif isinstance(message, proto.Auth):
             if client in self.clients:
                 return
             nonce = self.nonces.pop(client, None)
-            if nonce is not None and proto.verify(self.secret, nonce, message[1]):
+            if nonce is not None and proto.verify(self.secret, nonce, message.proof):
                 self.clients.add(client)
                 self.owned.setdefault(client, set())
-                self._send(client, proto.encode("ready", {**self.info, "stats": self.loop.stats}))
+                info = msgspec.structs.replace(self.info, stats=self.loop.stats)
+                self._send(client, proto.encode(proto.Ready(info)))
                 logger.info("client %s connected", client.hex())
             else:
                 logger.warning("client %s refused: wrong secret", client.hex())
-                self._send(client, proto.encode("refused", "wrong shared secret"))
+                self._send(client, proto.encode(proto.Refused("wrong shared secret")))
         elif client not in self.clients:
             return  # nothing but a handshake from a client that has not passed one
-        elif kind == "add":
-            _, request_id, text, ids, params, cache_salt, *rest = message
-            images = rest[0] if rest else None
-            core_id = f"{client.hex()}:{request_id}"
-            on_output = self._callback(client, request_id, core_id)
-            try:
-                if self._stop_at is not None:
-                    raise EngineDeadError("the engine core is shutting down")
-                if len(self.engine.requests) + len(self._compiling) >= self.capacity:  # several API servers: none
-                    raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")  # sees all
-                params = proto.params_from_wire(params)
-                spec = getattr(params, "structured_outputs", None)
-                if spec is not None and not self.engine.grammars.is_compiled(spec):  # compiling takes a while:
-                    self._compiling.add(core_id)  # not on the thread that steps every other request
-                    self.owned[client].add(core_id)
-                    self._compiler.submit(self._add_when_compiled, client, request_id, core_id, text, list(ids),
-                                          params, cache_salt, on_output, images)
-                    return
-                self._add(core_id, text, list(ids), params, cache_salt, on_output, images)
-            except Exception as e:  # the API side validated it already; refuse what still does not pass
-                self._send(client, proto.encode("fail", request_id, _fail_kind(e), str(e)))
-                return
-            self.owned[client].add(core_id)
-        elif kind == "abort":
-            core_id = f"{client.hex()}:{message[1]}"
+        elif isinstance(message, proto.Add):
+            self._handle_add(client, message)
+        elif isinstance(message, proto.Abort):
+            core_id = f"{client.hex()}:{message.request_id}"
             if core_id in self.owned.get(client, ()):
                 self._abort(core_id)
+
+    def _handle_add(self, client: bytes, m: proto.Add) -> None:
+        core_id = f"{client.hex()}:{m.request_id}"
+        on_output = self._callback(client, m.request_id, core_id)
+        try:
+            if self._stop_at is not None:
+                raise EngineDeadError("the engine core is shutting down")
+            if len(self.engine.requests) + len(self._compiling) >= self.capacity:  # several API servers: none
+                raise EngineBusyError(f"the engine core holds {self.capacity} requests; retry later")  # sees all
+            params = proto.params_from_wire(m.params)
+            spec = getattr(params, "structured_outputs", None)  # (PoolingParams have none)
+            if spec is not None and not self.engine.grammars.is_compiled(spec):  # compiling takes a while:
+                self._compiling.add(core_id)  # not on the thread that steps every other request
+                self.owned[client].add(core_id)
+                self._compiler.submit(self._add_when_compiled, client, m.request_id, core_id, m.text, m.ids,
+                                      params, m.cache_salt, on_output, m.images)
+                return
+            self._add(core_id, m.text, m.ids, params, m.cache_salt, on_output, m.images)
+        except Exception as e:  # the API side validated it already; refuse what still does not pass
+            self._send(client, proto.encode(proto.Fail(m.request_id, _fail_kind(e), str(e))))
+            return
+        self.owned[client].add(core_id)

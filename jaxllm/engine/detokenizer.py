@@ -52,8 +52,11 @@ class IncrementalDetokenizer:
         self.text = self.text[:index + len(stop) if self.include_stop else index]
         return stop
 
-    def visible_text(self, finished: bool) -> str:
-        """The text that may be shown so far."""
-        if finished or not self.holdback:
-            return self.text
-        return self.text[:max(0, len(self.text) - self.holdback)]
+    def visible_length(self, finished: bool) -> int:
+        """How much of the text may be shown so far: only ever grows (a stop string is found before any of it
+        is shown, and the text is cut only there)."""
+        return len(self.text) if finished else max(0, len(self.text) - self.holdback)
+
+    def visible_text(self, finished: bool, start: int = 0) -> str:
+        """The text that may be shown so far, from character `start` on (what is new since an earlier output)."""
+        return self.text[start:self.visible_length(finished)]

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxllm.engine.core_client import EngineCoreClient
+from jaxllm.engine.core_protocol import CoreInfo
 from jaxllm.engine.engine_loop import EngineDeadError
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -43,13 +44,13 @@ def choose_rank(loads: list[int], preferred: int | None, slack: int, start: int 
 
 class DataParallelClient:
     def __init__(self, addresses: list[str], secret: str, *, timeout_s: float = 600.0,
-                 tokenizer_loader: Callable[[dict], object] | None = None):
+                 tokenizer_loader: Callable[[CoreInfo], object] | None = None):
         first = EngineCoreClient(addresses[0], secret, timeout_s=timeout_s, tokenizer_loader=tokenizer_loader)
         self.ranks = [first] + [EngineCoreClient(a, secret, timeout_s=timeout_s, tokenizer_loader=lambda info: None)
                                 for a in addresses[1:]]
         self.engine = first.engine  # every rank serves the same model: one frontend
-        self.page_size = first.info["page_size"]
-        self.slack = max(2, first.info["max_num_seqs"] // 4)
+        self.page_size = first.info.page_size
+        self.slack = max(2, first.info.max_num_seqs // 4)
         self.owner: dict[str, int] = {}
         self.routed = [0] * len(self.ranks)  # requests this worker sent to each rank
         self._turn = 0  # where ties between equally loaded ranks start

@@ -1,209 +1,93 @@
 """The engine core: owns the model runner, the KV cache, the block manager and the scheduler, and turns
-scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` runs it in a thread."""
+scheduled steps into per-request outputs. `step()` is synchronous; `EngineLoop` runs it in a thread. What the
+engine is made of is resolved by `engine_parts`; when a sequence stops, by `stop_checker`; what a request's
+output holds, by `request_outputs`."""
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
-
-from jaxllm.config import ConfigError
-from jaxllm.dtypes import resolve_kv_cache_dtype
 from jaxllm.engine import compile_monitor, multihost, prompt_logprobs
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.encoder_cache import EncoderCache
-from jaxllm.engine.encoder_runner import EncoderRunner, default_encoder_buckets
-from jaxllm.engine.executable_cache import ExecutableCache
+from jaxllm.engine.engine_parts import EngineParts, resolve_engine_parts
 from jaxllm.engine.frontend import Frontend, PreparedPrompt
 from jaxllm.engine.model_runner import ModelRunner, StepResult
+from jaxllm.engine.request_outputs import generation_output, pooling_output
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
 from jaxllm.engine.startup import StartupReport
+from jaxllm.engine.stop_checker import check_stop
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
-from jaxllm.kernels import CPU_CACHE_DTYPES
-from jaxllm.loading import LoadedModel, load_model
-from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.multimodal.image_processor import ImageProcessorConfig
-from jaxllm.multimodal.inputs import MultiModalSpec
-from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
-from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, PooledState, Pooling, PoolingParams
-from jaxllm.sampling_params import RequestLimits, SamplingParams
-from jaxllm.sharding import make_mesh
+from jaxllm.loading import LoadedModel
+from jaxllm.models.protocol import Model
+from jaxllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PooledState, PoolingParams
+from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
 
 
-def enable_compilation_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache, for every compile (by default it skips ones under a second)."""
-    if not path:
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-
-
-def _kv_budget_bytes(fraction: float) -> int:
-    """The KV cache's memory: on CPU a fraction of *total* RAM, so the page count (a compiled shape) is the
-    same from one start to the next and the persistent compilation cache hits (free RAM drifts by tens of MB
-    between starts); only when that would not fit in the RAM free now, a fraction of the free RAM. On an
-    accelerator, a fraction of the device memory left after the weights."""
-    device = jax.devices()[0]
-    if device.platform == "cpu":
-        page = os.sysconf("SC_PAGE_SIZE")
-        total, free = os.sysconf("SC_PHYS_PAGES") * page, os.sysconf("SC_AVPHYS_PAGES") * page
-        budget = int(total * fraction)
-        if budget > 0.9 * free:
-            logger.warning("kv_memory_fraction %.2f of RAM (%.1f GiB) exceeds the free RAM (%.1f GiB): using %.2f of "
-                           "the free RAM; the page count will vary between starts", fraction, budget / 2**30,
-                           free / 2**30, fraction)
-            budget = int(free * fraction)
-        return budget
-    stats = device.memory_stats() or {}
-    return int((stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) * fraction)
-
-
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, model: LlamaForCausalLM | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, model: Model | None = None,
                  tokenizer: Tokenizer | None = None, loaded: LoadedModel | None = None, warmup: bool = True):
+        """model (with tokenizer), or loaded: what to serve instead of loading `config.model` (an edited model)."""
         self.config = config = config or EngineConfig()
-        multihost.initialize(config.num_hosts, config.host_rank, config.coordinator_address)  # before any backend
-        # (Paths and names may differ between hosts; what shapes the compiled steps may not.)
-        shared = dataclasses.replace(config, host_rank=0, model=None, compilation_cache_dir=None,
-                                     served_model_name=None)
-        multihost.check_same_everywhere("engine config", repr((shared, warmup, model is None)).encode())
-        enable_compilation_cache(config.compilation_cache_dir)
-        start = time.perf_counter()
-        # Executables are cached only for models this engine loaded itself: an edited model can differ in ways
-        # no cache key sees (see executable_cache).
-        executable_cache = None
-        # (Nor for multi-host jobs: an executable spanning processes is rebuilt, not deserialized.)
-        if config.compilation_cache_dir and model is None and loaded is None and config.num_hosts == 1:
-            try:
-                executable_cache = ExecutableCache(os.path.join(os.path.expanduser(config.compilation_cache_dir),
-                                                                "executables"))
-            except OSError as e:
-                logger.warning("executable cache off: %s", e)
-        if model is None and loaded is None:
-            loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
-                                attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
-                                kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
-                                revision=config.revision, download_dir=config.download_dir)
-        load_s = time.perf_counter() - start
-        self.checkpoint_bytes_read = loaded.bytes_read if loaded is not None else 0
-        if loaded is not None:
-            model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
-        else:
-            mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
-        if hasattr(model, "arrange_layers") and model.kernels.layer_loop == "unrolled":
-            model.arrange_layers()  # separate layers on GPU, as loads are (a model passed in that a caller edits
-            # as separate layers on CPU is left as it is)
-        self.model, self.tokenizer = model, tokenizer
-        self.model_name = config.served_model_name or name
-        cfg = model.config
-        self.eos_token_ids = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
-        # Embedding: with the pooling the config names, else the one a sentence-transformers folder declares (an
-        # encoder without either: its [CLS] token, normalized); classifying: with a cross-encoder's head.
-        self.causal = getattr(model, "causal", True)
-        if config.classifier_tokens:
-            model.set_classifier_tokens(self._classifier_ids(model, tokenizer, config.classifier_tokens))
-        classifies = getattr(cfg, "num_labels", 0) > 0 or bool(getattr(model, "classifier_token_ids", ()))
-        self.pooling = Pooling(config.pooling, config.normalize_embeddings) if config.pooling else \
-            (loaded.pooling if loaded is not None else None)
-        if self.pooling is None and not self.causal and not classifies:
-            self.pooling = Pooling("cls", True)
-        if self.pooling is None and config.runner == "pooling" and not classifies:
-            self.pooling = Pooling("last", config.normalize_embeddings)  # vLLM's default for a causal model
-        if config.runner == "generate" and not self.causal:
-            raise ConfigError(f"runner='generate': {name} is an encoder, it cannot generate (runner='pooling')")
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
-        if model.kernels.attention == "cpu" and jnp.dtype(self.kv_cache_dtype) not in CPU_CACHE_DTYPES:
-            raise ConfigError(f"kv_cache_dtype={config.kv_cache_dtype}: the model's cpu attention kernel reads "
-                              "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
-        num_pages, self.max_model_len = self._size_kv_cache(model)
-        self.mm_spec, encoder, encoder_cache = self._multimodal(model, loaded)
-        tasks = ((GENERATE,) if self.causal else ()) + ((EMBED,) if self.pooling is not None else ()) + \
-            ((CLASSIFY,) if classifies else ())
-        self.limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=self.max_model_len, max_n=config.max_n,
-                                    hidden_size=cfg.hidden_size, tasks=tasks)
-        self.frontend = Frontend(tokenizer, self.limits, self.eos_token_ids, self.model_name,
+        parts = resolve_engine_parts(config, model=model, tokenizer=tokenizer, loaded=loaded, warmup=warmup)
+        self.model, self.tokenizer, self.model_name = parts.model, parts.tokenizer, parts.model_name
+        self.eos_token_ids, self.pooling, self.limits = parts.eos_token_ids, parts.pooling, parts.limits
+        self.checkpoint_bytes_read = parts.checkpoint_bytes_read
+        self.mm_spec = parts.encoder.spec if parts.encoder else None
+        self.frontend = Frontend(self.tokenizer, self.limits, self.eos_token_ids, self.model_name,
                                  score_template=config.score_template, mm_spec=self.mm_spec)
-        self.block_manager = BlockManager(num_pages, config.page_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(parts.kv.num_pages, parts.kv.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal,
-                                   encoder_cache=encoder_cache, encoder_budget=self.mm_spec.max_image_tokens
-                                   if self.mm_spec else 0)
+                                   encoder_cache=parts.encoder.cache if parts.encoder else None,
+                                   encoder_budget=self.mm_spec.max_image_tokens if self.mm_spec else 0)
         start = time.perf_counter()
-        self.runner = ModelRunner(model, num_pages=num_pages, page_size=config.page_size,
-                                  max_model_len=self.max_model_len, buckets=config.buckets(),
-                                  eos_token_ids=self.eos_token_ids, mesh=mesh, executable_cache=executable_cache,
-                                  kv_cache_dtype=self.kv_cache_dtype, generates=GENERATE in tasks,
-                                  pools=tasks != (GENERATE,), encoder=encoder, encoder_cache=encoder_cache)
-        self.startup = StartupReport(load_s=load_s, kv_cache_s=time.perf_counter() - start)
+        self.runner = ModelRunner.from_parts(parts, config.buckets())
+        self.startup = StartupReport(load_s=parts.load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
-        # Counters for metrics.
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
-        self.num_failed_requests = 0
-        self.requests_total = 0
+        self.prompt_tokens_total = self.generation_tokens_total = 0  # counters for metrics
+        self.num_failed_requests = self.requests_total = 0
         compile_monitor.install()
         if warmup:
-            before = compile_monitor.snapshot()
-            start = time.perf_counter()
-            self.startup.buckets = self.runner.warmup()
-            if encoder is not None:
-                encoder.warmup()
-            self.startup.warmup_s = time.perf_counter() - start
-            after = compile_monitor.snapshot()
-            self.startup.xla_cache_hits = after["cache_hits"] - before["cache_hits"]
-            logger.info("start-up: %s", self.startup.summary())
+            self._warmup(parts)
         self._leader = None
         self._ahead = None  # a decode step dispatched ahead of the step() call that reads it back
         if config.num_hosts > 1 and config.host_rank == 0:
             self._lead_followers()
 
-    def _multimodal(self, model, loaded: LoadedModel | None):
-        """A vision-language model's spec (what requests may send), its encoder runner and encoder cache."""
-        if not getattr(model, "multimodal", False):
-            return None, None, None
-        c = self.config
-        if c.num_hosts > 1:
-            raise ConfigError("vision-language models run on one host")
-        processor = (loaded.image_processor if loaded is not None else None) or ImageProcessorConfig()
-        budget = c.encoder_budget or c.max_num_batched_tokens
-        pixels = budget * processor.factor ** 2  # an image's tokens are its pixels / factor**2
-        processor = dataclasses.replace(processor, max_pixels=min(processor.max_pixels, pixels, c.mm_max_pixels or
-                                                                  pixels),
-                                        min_pixels=min(processor.min_pixels, pixels, c.mm_max_pixels or pixels))
-        vl = model.vl_config
-        spec = MultiModalSpec(processor, vl.image_token_id, vl.vision_start_token_id, vl.vision_end_token_id,
-                              max_images=c.limit_mm_per_prompt, max_image_tokens=budget)
-        encoder = EncoderRunner(model.visual, default_encoder_buckets(budget, min(64, budget)))
-        return spec, encoder, EncoderCache(c.encoder_cache_tokens or 4 * budget)
+    def _warmup(self, parts: EngineParts) -> None:
+        before = compile_monitor.snapshot()
+        start = time.perf_counter()
+        self.startup.buckets = self.runner.warmup()
+        if parts.encoder is not None:
+            parts.encoder.runner.warmup()
+        self.startup.warmup_s = time.perf_counter() - start
+        self.startup.xla_cache_hits = compile_monitor.snapshot()["cache_hits"] - before["cache_hits"]
+        logger.info("start-up: %s", self.startup.summary())
 
-    @staticmethod
-    def _classifier_ids(model, tokenizer: Tokenizer | None, tokens: tuple[str, ...]) -> tuple[int, ...]:
-        if not getattr(model, "causal", True) or tokenizer is None:
-            raise ConfigError("classifier_tokens: a decoder with a tokenizer reads its labels from token logits")
-        ids = []
-        for t in tokens:
-            found = tokenizer.backend.token_to_id(t)
-            encoded = tokenizer.encode(t, add_special_tokens=False)
-            if found is None and len(encoded) != 1:
-                raise ConfigError(f"classifier_tokens: {t!r} is not one token of this tokenizer ({encoded})")
-            ids.append(found if found is not None else encoded[0])
-        return tuple(ids)
+    @property
+    def causal(self) -> bool:
+        return self.model.causal
+
+    @property
+    def max_model_len(self) -> int:
+        return self.limits.max_model_len
+
+    @property
+    def kv_cache_dtype(self):
+        return self.runner.kv_cache_dtype
 
     def _lead_followers(self) -> None:
         """Multi-host rank 0, once every host warmed up the same buckets in the same order (lockstep): wait for the
@@ -236,24 +120,6 @@ class LLMEngine:
     @property
     def warmup_seconds(self) -> float:
         return self.startup.warmup_s
-
-    def _size_kv_cache(self, model: LlamaForCausalLM) -> tuple[int, int]:
-        c, cfg = self.config, model.config
-        page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * \
-            jnp.dtype(self.kv_cache_dtype).itemsize
-        if self.causal:
-            num_pages = c.num_pages or max(2, _kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
-            max_len = c.max_model_len or cfg.max_position_embeddings
-        else:  # an encoder reads no cache: pages for one step's slot mapping, inputs of at most one step
-            budget = c.max_num_batched_tokens
-            num_pages = -(-budget // c.page_size) + c.max_num_seqs
-            max_len = min(c.max_model_len or cfg.max_input_tokens, cfg.max_input_tokens, budget)
-        num_pages = multihost.agree_min(num_pages)  # a compiled shape: every host must use the same
-        max_len = min(max_len, num_pages * c.page_size)
-        logger.info("KV cache: %d pages x %d tokens = %d tokens (%.2f GiB); max_model_len %d; "
-                    "maximum concurrency at max_model_len: %.1f", num_pages, c.page_size, num_pages * c.page_size,
-                    num_pages * page_bytes / 2**30, max_len, num_pages * c.page_size / max_len)
-        return num_pages, max_len
 
     # -- requests (validation and tokenization: the frontend's, shared by every serve mode)
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -306,8 +172,7 @@ class LLMEngine:
             return
         for seq in request.seqs:
             if not seq.finished:
-                seq.finish_reason = "abort"
-                self.scheduler.finish(seq)
+                self.scheduler.finish(seq, "abort")
         self._emit(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -361,16 +226,11 @@ class LLMEngine:
         pooled: list[Request] = []
         if result.prompt_logprobs is not None:
             prompt_logprobs.fill(*result.prompt_logprobs, self._token_text)
-        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens, strict=True)):
-            if seq.finished:  # ended while its step ran (the step before finished or aborted it)
-                continue
-            start = seq.num_computed_tokens
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_pages(seq)
-            if seq.pooled is not None:
+        for i, (seq, start) in enumerate(zip(step.seqs, self.scheduler.update_from_output(step), strict=True)):
+            if start is not None and seq.pooled is not None:
                 seq.pooled.add_chunk(start, *result.pooled[0][i], result.pooled[1][i])
                 if seq.num_computed_tokens == seq.num_tokens:  # pooled: its pages are freed now
-                    self._finish(seq, "stop", None)
+                    self.scheduler.finish(seq, "stop")
                     pooled.append(seq.request)
         touched = self._append_tokens(result) + pooled
         return [out for request in touched if (out := self._emit(request)) is not None]
@@ -391,32 +251,17 @@ class LLMEngine:
         token = int(result.tokens[i])
         seq.token_ids.append(token)
         self.generation_tokens_total += 1
-        p = seq.params
         if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
+            k = seq.params.logprobs
             logprob = float(result.logprobs[i])
             seq.cumulative_logprob += logprob
             entry = {token: Logprob(logprob, int(result.ranks[i]), self._token_text(token))}
-            for rank, (tid, lp) in enumerate(zip(result.top_ids[i][:p.logprobs], result.top_logprobs[i][:p.logprobs],
-                                                 strict=True), 1):
+            for rank, (tid, lp) in enumerate(zip(result.top_ids[i][:k], result.top_logprobs[i][:k], strict=True), 1):
                 entry.setdefault(int(tid), Logprob(float(lp), rank, self._token_text(int(tid))))
             seq.logprobs.append(entry)
         stop_str = seq.detokenizer.add_token(token)
-        done = seq.num_output_tokens >= p.min_tokens
-        if seq.matcher is not None:
-            if not seq.matcher.consume_token(token):
-                raise RuntimeError(f"the grammar refused a token its own mask allowed: {seq.matcher.get_error()}")
-            if seq.matcher.is_stopped():  # the grammar is complete (or EOS ended it): nothing more may follow
-                self._finish(seq, "stop", None)
-                return
-        if done and not p.ignore_eos and token in self.eos_token_ids:
-            self._finish(seq, "stop", None)
-        elif done and token in p.stop_token_ids:
-            self._finish(seq, "stop", token)
-        elif done and stop_str is not None:
-            self._finish(seq, "stop", stop_str)
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                seq.num_tokens >= self.max_model_len:
-            self._finish(seq, "length", None)
+        if (stop := check_stop(seq, token, stop_str, self.eos_token_ids, self.max_model_len)) is not None:
+            self.scheduler.finish(seq, *stop)
 
     def _fail_request(self, request: Request, error: Exception) -> None:
         logger.exception("request %s failed; the other requests go on", request.request_id, exc_info=error)
@@ -424,21 +269,20 @@ class LLMEngine:
         self.num_failed_requests += 1
         for seq in request.seqs:
             if not seq.finished:
-                self._finish(seq, "error", None)
+                self.scheduler.finish(seq, "error")
 
     def _token_text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False) if self.tokenizer else ""
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
-        seq.finish_reason, seq.stop_reason = reason, stop_reason
-        self.scheduler.finish(seq)
-
     def _emit(self, request: Request) -> RequestOutput | PoolingRequestOutput | None:
-        """Builds the request's output and hands it to its callback. If either raises, the request ends (its
-        pages freed) and the step goes on for everyone else; None is returned for it."""
+        """Builds the request's output and hands it to its callback; None when there is none (a FINAL_ONLY request
+        still running). If either raises, the request ends (its pages freed) and the step goes on for everyone
+        else; None is returned for it."""
         try:
-            out = self._pooling_output(request) if isinstance(request.params, PoolingParams) else \
-                self._generation_output(request)
+            out = pooling_output(request) if isinstance(request.params, PoolingParams) else \
+                generation_output(request)
+            if out is None:
+                return None
             if out.finished:
                 self.requests.pop(request.request_id, None)
             if request.on_output:
@@ -449,23 +293,6 @@ class LLMEngine:
                 self._fail_request(request, e)
             self.requests.pop(request.request_id, None)
             return None
-
-    def _pooling_output(self, request: Request) -> PoolingRequestOutput:
-        seq = request.seqs[0]
-        done = seq.finish_reason == "stop"
-        data = PoolingOutput(seq.pooled.result(seq.num_tokens, request.params)) if done else None
-        return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, data,
-                                    request.finished, error=request.error, num_cached_tokens=seq.num_cached_tokens)
-
-    @staticmethod
-    def _generation_output(request: Request) -> RequestOutput:
-        outputs = [CompletionOutput(
-            index=s.index, text=s.detokenizer.visible_text(s.finished), token_ids=s.output_token_ids,
-            cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None, logprobs=s.logprobs,
-            finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in request.seqs]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs, request.finished,
-                             num_cached_tokens=request.seqs[0].num_cached_tokens, error=request.error,
-                             prompt_logprobs=request.prompt_logprobs)
 
     def stats(self) -> dict:
         """Read on the engine's own thread; other threads read `EngineLoop.stats`."""

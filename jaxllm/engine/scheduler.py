@@ -144,6 +144,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, cached)
+            seq.num_computed_tokens = seq.num_cached_tokens = start
             self.bm.grow(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -166,8 +167,24 @@ class Scheduler:
             self.bm.grow(seq, seq.num_computed_tokens + 2)
         return ScheduledStep(list(step.seqs), [1] * len(step.seqs))
 
-    def finish(self, seq: Sequence) -> None:
-        """Removes a finished or aborted sequence and frees its pages."""
+    def update_from_output(self, step: ScheduledStep) -> list[int | None]:
+        """Advances each sequence of the step that ran by the tokens it computed, and registers its pages that
+        became full in the prefix cache: with admission and preemption, the only writer of a sequence's progress.
+        Returns where each sequence's chunk started (None: it ended while the step ran, finished or aborted)."""
+        starts: list[int | None] = []
+        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+            if seq.finished:
+                starts.append(None)
+                continue
+            starts.append(seq.num_computed_tokens)
+            seq.num_computed_tokens += n
+            self.bm.cache_full_pages(seq)
+        return starts
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """The one way a sequence ends (a stop rule, a length, an abort, an error): records why, removes it from
+        the queues and frees its pages."""
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -13,6 +13,15 @@ from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 
+class Emitted:
+    """How much of a sequence its request's outputs carried so far: a DELTA output carries what lies past these
+    (written by `request_outputs` alone)."""
+    __slots__ = ("chars", "logprobs", "tokens")
+
+    def __init__(self):
+        self.chars = self.tokens = self.logprobs = 0
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -42,6 +51,7 @@ class Sequence:
         self.num_preemptions = 0
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence: advanced by each token it gets
         self.pooled = None  # a pooling request's PooledState: it is prefilled, pooled, and never decodes
+        self.emitted = Emitted()
 
     @property
     def params(self) -> SamplingParams | PoolingParams:
@@ -83,6 +93,7 @@ class Request:
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
         self.error: str | None = None  # set when handling this request raised; it then ends
+        self.num_outputs = 0  # outputs handed to on_output so far (written by `request_outputs`)
         # vLLM's prompt_logprobs: entry i scores prompt token i given those before it (entry 0: None), filled as
         # the prompt is prefilled (`engine.prompt_logprobs`)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \

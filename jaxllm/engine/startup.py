@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.engine.model_runner import BucketBuild
+from jaxllm.engine.step_executables import BucketBuild
 
 
 @dataclasses.dataclass

@@ -159,7 +159,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     except (OSError, ValueError) as e:
         raise LoadError(f"{p}: {e}") from None
     image_processor = None
-    if getattr(model, "multimodal", False):
+    if model.multimodal:
         try:
             raw = json.loads((p / "preprocessor_config.json").read_text())
             image_processor = ImageProcessorConfig.from_hf(raw)

@@ -149,6 +149,7 @@ class EncoderModel(nnx.Module):
     # What the engine asks of any model: an encoder is not causal (whole sequences a step, no chunks), keeps no
     # quantized weights, and its kernel choice is XLA's.
     causal = False
+    multimodal = False
     quantization = ()
     quant_plan: dict = {}  # noqa: RUF012 (read only)
 
@@ -190,6 +191,16 @@ class EncoderModel(nnx.Module):
         for layer in self.layers:
             x = layer(x, same_sequence)
         return x, kv_cache
+
+    @property
+    def classifies(self) -> bool:
+        return self.config.num_labels > 0
+
+    def set_classifier_tokens(self, token_ids: tuple[int, ...]) -> None:
+        raise ValueError("classifier tokens are a decoder's: an encoder classifies with its own head")
+
+    def arrange_layers(self) -> None:  # one layout: the layers run unrolled
+        pass
 
     def classify(self, pooled: jax.Array) -> jax.Array:
         """The cross-encoder's head on the first ([CLS]) token: pooled [S, 3, E] (first, last, summed hidden

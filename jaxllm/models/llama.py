@@ -65,6 +65,9 @@ class DecoderLayer(nnx.Module):
 
 
 class LlamaForCausalLM(nnx.Module):
+    causal = True  # `jaxllm.models.protocol.Model`
+    multimodal = False
+
     def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, attn_impl: str = "auto", matmul_impl: str = "auto",
                  kernels: Kernels | None = None, rngs: nnx.Rngs | None = None, quantization: QuantPlan | None = None):
         """rngs: random initialisation; None builds shapes only, for a loader to fill in. kernels: the kernel
@@ -91,6 +94,10 @@ class LlamaForCausalLM(nnx.Module):
         """Makes the model a classifier whose label scores are the last token's logits of `token_ids` (a
         Qwen3-Reranker reads ("no", "yes")): what `classify` returns."""
         self.classifier_token_ids = tuple(int(t) for t in token_ids)
+
+    @property
+    def classifies(self) -> bool:
+        return bool(self.classifier_token_ids)
 
     def set_kernels(self, kernels: Kernels) -> None:
         """Uses `kernels` for attention and for every linear layer (and the tied LM head). Loads them now: a CPU

@@ -117,6 +117,7 @@ class QwenVLForConditionalGeneration(nnx.Module):
     def __init__(self, cfg: VLConfig, language: LlamaForCausalLM, visual: QwenVisionEncoder | Qwen3VisionEncoder):
         self.vl_config, self.language, self.visual = cfg, language, visual
 
+    causal = True  # `jaxllm.models.protocol.MultimodalModel`
     multimodal = True
 
     @property
@@ -140,6 +141,16 @@ class QwenVLForConditionalGeneration(nnx.Module):
 
     def arrange_layers(self) -> None:
         self.language.arrange_layers()
+
+    @property
+    def classifies(self) -> bool:
+        return self.language.classifies
+
+    def classify(self, pooled: jax.Array) -> jax.Array:
+        return self.language.classify(pooled)
+
+    def set_classifier_tokens(self, token_ids: tuple[int, ...]) -> None:
+        self.language.set_classifier_tokens(token_ids)
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache, metadata,
                       image_embeds: jax.Array | None = None):

@@ -26,7 +26,7 @@ def tiny_llm(tiny_model_dir, compile_cache_dir):
 @pytest.fixture(scope="module")
 def core(tiny_llm, tmp_path_factory):
     address = f"ipc://{tmp_path_factory.mktemp('core')}/engine-core"
-    server = EngineCoreServer(tiny_llm.engine, address, SECRET, {"model": None})
+    server = EngineCoreServer(tiny_llm.engine, address, SECRET)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.serve_forever()), daemon=True)
     thread.start()
@@ -128,7 +128,7 @@ def test_a_vanished_client_has_its_requests_aborted(core):
 
 
 def test_a_stopping_core_refuses_new_requests_and_drains(tiny_llm, tmp_path):
-    server = EngineCoreServer(tiny_llm.engine, f"ipc://{tmp_path}/core", SECRET, {"model": None})
+    server = EngineCoreServer(tiny_llm.engine, f"ipc://{tmp_path}/core", SECRET)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.serve_forever()), daemon=True)
     thread.start()
@@ -182,8 +182,7 @@ def grammar_core(tiny_model_dir, compile_cache_dir, tmp_path_factory):
     add_tiny_tokenizer(with_tokenizer)
     llm = LLM(str(with_tokenizer), dtype="float32", attn_impl="reference", max_num_seqs=8, max_num_batched_tokens=32,
               num_pages=128, max_model_len=128, page_size=4, compilation_cache_dir=compile_cache_dir)
-    server = EngineCoreServer(llm.engine, f"ipc://{tmp_path_factory.mktemp('gcore')}/core", SECRET,
-                              {"model": str(with_tokenizer)})
+    server = EngineCoreServer(llm.engine, f"ipc://{tmp_path_factory.mktemp('gcore')}/core", SECRET)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     yield server

@@ -45,7 +45,7 @@ def two_cores(tiny_model_dir, compile_cache_dir, tmp_path_factory):
     for rank in range(2):
         llm = LLM(str(folder), dtype="float32", attn_impl="reference", max_num_seqs=8, max_num_batched_tokens=32,
                   num_pages=128, max_model_len=128, page_size=4, compilation_cache_dir=compile_cache_dir)
-        server = EngineCoreServer(llm.engine, f"ipc://{d}/core-{rank}", SECRET, {"model": None, "rank": rank})
+        server = EngineCoreServer(llm.engine, f"ipc://{d}/core-{rank}", SECRET, rank=rank)
         servers.append(server)
         threads.append(threading.Thread(target=server.serve_forever, daemon=True))
         threads[-1].start()

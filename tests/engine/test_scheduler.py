@@ -26,12 +26,12 @@ def run_step(sched: Scheduler, bm: BlockManager, rng=None) -> list[Sequence]:
     step = sched.schedule()
     for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
         assert len(seq.block_table) * PAGE >= seq.num_computed_tokens + n
-        seq.num_computed_tokens += n
-        bm.cache_full_pages(seq)
+    sched.update_from_output(step)
+    for seq in step.seqs:
         if seq.num_computed_tokens == seq.num_tokens:
             seq.token_ids.append(rng.randrange(1000) if rng else 7)
             if seq.num_output_tokens >= seq.params.max_tokens:
-                sched.finish(seq)
+                sched.finish(seq, "stop")
     return step.seqs
 
 
@@ -79,8 +79,8 @@ def test_chunked_prefill_of_prompt_longer_than_budget_runs_beside_decodes():
         assert step.num_tokens <= 16
         assert short.seqs[0] in step.seqs  # the decode is never starved by the prefill
         chunks.append(step.num_new_tokens[step.seqs.index(long.seqs[0])])
-        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
-            seq.num_computed_tokens += n
+        sched.update_from_output(step)
+        for seq in step.seqs:
             if seq.num_computed_tokens == seq.num_tokens:
                 seq.token_ids.append(5)
     assert sum(chunks) == 50 and len(chunks) == 4 and max(chunks) == 15
@@ -110,7 +110,7 @@ def test_abort_frees_every_page():
     run_step(sched, bm)
     assert bm.num_free_pages < 32
     for s in r.seqs:
-        sched.finish(s)
+        sched.finish(s, "stop")
     assert bm.num_free_pages == 32 and not sched.running and not sched.waiting
 
 
@@ -153,7 +153,7 @@ def test_no_page_leaks_after_1000_random_requests():
             victim = rng.choice(sched.running)
             for s in victim.request.seqs:
                 if not s.finished:
-                    sched.finish(s)
+                    sched.finish(s, "stop")
         assert bm.num_free_pages + sum(1 for c in bm.ref_counts if c > 0) == 96
     assert all(s.status == SequenceStatus.FINISHED for r in requests for s in r.seqs)
     assert bm.num_free_pages == 96 and all(c == 0 for c in bm.ref_counts)

@@ -16,7 +16,6 @@ from jax import export
 from jaxllm.config import ModelConfig
 from jaxllm.engine.config import EngineConfig
 from jaxllm.engine.model_runner import ModelRunner
-from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.kernels import choose_kernels
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.plan import bundled_model_config
@@ -47,9 +46,9 @@ def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=No
 
 
 def _export(runner: ModelRunner, bucket: tuple[int, int], platform: str) -> export.Exported:
-    args = (runner._abstract_params, runner._abstract_caches, *runner._inputs(ScheduledStep([], []), bucket)[0])
     checks = [export.DisabledSafetyCheck.custom_call(NATIVE_CALL[platform])]
-    return export.export(runner._jit, platforms=[platform], disabled_checks=checks)(*args)
+    return export.export(runner.executables.jitted, platforms=[platform],
+                         disabled_checks=checks)(*runner.abstract_args(bucket))
 
 
 def _sampled(buckets: list[tuple[int, int]]) -> list[tuple[int, int]]:

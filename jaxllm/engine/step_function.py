@@ -1,0 +1,78 @@
+"""The function every step executable is compiled from: the model's forward through the paged KV cache, the LM
+head on the rows that need a token, sampling, prompt logprobs and pooling outputs. Pure: weights, caches and
+`StepInputs` in, the updated caches and the step's outputs out."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.engine import prompt_logprobs
+from jaxllm.engine.sampler import sample
+from jaxllm.engine.step_inputs import StepInputs
+from jaxllm.sampling_params import MAX_LOGPROBS
+
+
+def step_function(graphdef, state_def, generates: bool, pools: bool, params, caches, inputs: StepInputs):
+    """generates: False for a model that only pools (its steps sample nothing); pools: False for a model that only
+    generates (its steps compute no pooling outputs). Returns (caches, packed sampler output [S, 3 + 2k] i32,
+    pooled [S, 3, E], classified [S, labels], next ids [T], prompt logprobs [T, width])."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+    ids, meta, logit_rows = inputs.ids, inputs.meta, inputs.logit_rows
+    # named scopes reach the compiled program's op metadata: a device profile sorts kernels by them
+    with jax.named_scope("model"):
+        if inputs.images is None:
+            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta)
+        else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
+            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, image_embeds=inputs.images)
+    s = logit_rows.shape[0]
+    if generates:
+        with jax.named_scope("logits"):
+            logits = model.logits(hidden[logit_rows])  # [S, V]: only the rows that get a token
+        with jax.named_scope("sampler"):
+            tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, inputs.sampling, model.kernels.platform)
+        bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+        # [S, 3 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of five
+        packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
+                                  bits(top_logprobs)], axis=1)
+        # [T, prompt_logprobs.width] i32: each prompt row's logprob of the next prompt token (a step with none: zeros)
+        with jax.named_scope("prompt_logprobs"):
+            prompt = prompt_logprobs.compute(model.logits, hidden, inputs.prompt_targets, model.config.vocab_size)
+    else:  # a model that only pools
+        tokens = jnp.zeros((s,), jnp.int32)
+        packed = jnp.zeros((s, 3 + 2 * MAX_LOGPROBS), jnp.int32)
+        prompt = jnp.zeros((ids.shape[0], prompt_logprobs.width(model.config.vocab_size)), jnp.int32)
+    # [T]: row i's token at position i, the ids of a decode step that follows this one with the same sequences
+    # (a step dispatched before this one's tokens are read back: see LLMEngine.step)
+    t = ids.shape[0]
+    next_ids = jnp.zeros((t,), jnp.int32).at[:min(s, t)].set(tokens[:min(s, t)])
+    if not pools:  # a model that only generates: the same outputs, none of the work (decode steps stay lean)
+        return (caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32),
+                next_ids, prompt)
+    pooled = pool_chunks(hidden, meta)
+    return caches, packed, pooled, model.classify(pooled), next_ids, prompt
+
+
+def pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
+    """hidden [T, E], query_start_loc [S + 1] -> [S, 3, E] float32: each sequence's first, last and summed hidden
+    state in this step (what pooling needs from a prefill chunk; the host combines chunks). Read back only in a
+    step that has pooling requests (as is a classifying model's head on the first: `classified` [S, labels])."""
+    qsl = meta.query_start_loc
+    t, s = hidden.shape[0], qsl.shape[0] - 1
+    h = hidden.astype(jnp.float32)
+    total = jax.ops.segment_sum(h, meta.sequence_of_token(t), num_segments=s)  # padding tokens (id s) dropped
+    first = h[jnp.clip(qsl[:-1], 0, t - 1)]
+    last = h[jnp.clip(qsl[1:] - 1, 0, t - 1)]
+    return jnp.stack([first, last, total], axis=1)
+
+
+def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's packed output -> (tokens [S], logprobs [S], ranks [S], top ids [S, k], top logprobs [S, k])."""
+    k = (packed.shape[1] - 3) // 2
+    floats = packed.view(np.float32)
+    return packed[:, 0], floats[:, 1], packed[:, 2], packed[:, 3:3 + k], floats[:, 3 + k:]
