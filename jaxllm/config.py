@@ -71,6 +71,9 @@ class RopeConfig:
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)
 
 
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -88,7 +91,11 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v biases (Qwen2, some Llamas)
     o_bias: bool = False  # o_proj bias (Llama's attention_bias covers it, Qwen2's does not)
     qk_norm: bool = False  # RMSNorm on q and k per head (Qwen3)
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # every layer's
+    # Per layer: its attention window (0: the whole context), when layers differ (Gemma 2 and 3, Qwen2's
+    # `layer_types`): a runtime value under the layer scan. None: every layer has `sliding_window`.
+    layer_windows: tuple[int, ...] | None = None
+    activation: str = "silu"  # the gated MLP's: silu (SwiGLU), gelu_tanh or gelu (GeGLU)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -106,6 +113,12 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.layer_windows is not None and (len(self.layer_windows) != self.num_layers or
+                                               any(w < 0 for w in self.layer_windows)):
+            raise ConfigError(f"layer_windows needs one window >= 0 per layer ({self.num_layers}), got "
+                              f"{self.layer_windows}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
 
     @property
     def q_per_kv(self) -> int:
@@ -113,38 +126,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """A config.json, read by its architecture's family (`jaxllm.models.registry`)."""
         from jaxllm.models.registry import architecture_spec
 
         archs = hf.get("architectures") or []
         if not archs:
             raise ConfigError("config.json has no 'architectures' entry")
-        spec = architecture_spec(archs[0])
-        if hf.get("mlp_bias"):
-            raise ConfigError("mlp_bias=True is not supported")
-        try:
-            heads = int(hf["num_attention_heads"])
-            hidden = int(hf["hidden_size"])
-            eos = hf.get("eos_token_id")
-            sliding = hf.get("sliding_window") if hf.get("use_sliding_window", spec.sliding_window_default) else None
-            return cls(
-                architecture=archs[0],
-                vocab_size=int(hf["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(hf["intermediate_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-                rope=RopeConfig.from_hf(hf),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", spec.tie_default)),
-                attention_bias=bool(hf.get("attention_bias", spec.attention_bias_default)),
-                o_bias=bool(hf.get("attention_bias", False)) and spec.o_bias_follows_attention_bias,
-                qk_norm=spec.qk_norm,
-                sliding_window=int(sliding) if sliding else None,
-                bos_token_id=hf.get("bos_token_id"),
-                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
-            )
-        except KeyError as e:
-            raise ConfigError(f"missing the field {e.args[0]!r}") from None
+        return architecture_spec(archs[0]).read_config(hf)

@@ -131,12 +131,18 @@ def _per_device(step: Callable, mesh: Mesh) -> Callable:
     axis (as `jaxllm.sharding` places them), the metadata replicated."""
     heads, cache, whole = P(None, TP_AXIS, None), P(TP_AXIS, None, None, None), P()
 
-    def run(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, **options):
+    def run(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *,
+            sliding_window=None, **options):
+        # The window may be a layer's traced value: an input of its own (replicated), not a closed-over tracer.
+        windows = () if sliding_window is None else (jnp.asarray(sliding_window, jnp.int32),)
+
+        def body(*args):
+            return step(*args[:9], sliding_window=args[9] if windows else None, **options)
         # check_vma off: a Pallas call inside shard_map does not declare how its outputs vary over the mesh.
-        per_device = jax.shard_map(functools.partial(step, **options), mesh=mesh, check_vma=False,
-                                   in_specs=(heads, heads, heads, cache, cache, whole, whole, whole, whole),
-                                   out_specs=(heads, cache, cache))
-        return per_device(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc)
+        per_device = jax.shard_map(body, mesh=mesh, check_vma=False,
+                                   in_specs=(heads, heads, heads, cache, cache, whole, whole, whole, whole) +
+                                   (whole,) * len(windows), out_specs=(heads, cache, cache))
+        return per_device(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *windows)
     return run
 
 

@@ -27,7 +27,7 @@ def models():
     st = state()
     return jsonify({"object": "list", "data": [{
         "id": st.model_name, "object": "model", "created": STARTED, "owned_by": "jaxllm",
-        "root": st.model_name, "max_model_len": st.engine.max_model_len}]})
+        "root": st.model_name, "max_model_len": st.frontend.max_model_len}]})
 
 
 @bp.get("/health")
@@ -61,18 +61,18 @@ def metrics():
 def tokenize():
     req = parse(TokenizeRequest)
     st = state()
-    tok = st.engine.tokenizer
+    tok = st.frontend.tokenizer
     if tok is None:
         raise APIError(400, "this model has no tokenizer", param="prompt")
-    engine = st.engine
+    frontend = st.frontend
 
     def token_ids() -> list[int]:
         if req.messages is not None:
             text = tok.apply_chat_template([m.as_template_input() for m in req.messages],
                                            add_generation_prompt=req.add_generation_prompt)
-            engine.check_text_fits(text)
+            frontend.check_text_fits(text)
             return tok.encode(text, add_special_tokens=False)
-        engine.check_text_fits(req.prompt)
+        frontend.check_text_fits(req.prompt)
         return tok.encode(req.prompt, add_special_tokens=req.add_special_tokens)
 
     try:
@@ -82,16 +82,16 @@ def tokenize():
                        code="context_length_exceeded") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    return jsonify({"tokens": ids, "count": len(ids), "max_model_len": st.engine.max_model_len})
+    return jsonify({"tokens": ids, "count": len(ids), "max_model_len": st.frontend.max_model_len})
 
 
 @bp.post("/detokenize")
 def detokenize():
     req = parse(DetokenizeRequest)
     st = state()
-    vocab = st.engine.limits.vocab_size
+    vocab = st.frontend.limits.vocab_size
     if any(not 0 <= t < vocab for t in req.tokens):
         raise APIError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
-    if st.engine.tokenizer is None:
+    if st.frontend.tokenizer is None:
         raise APIError(400, "this model has no tokenizer", param="tokens")
-    return jsonify({"prompt": st.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)})
+    return jsonify({"prompt": st.frontend.tokenizer.decode(req.tokens, skip_special_tokens=False)})

@@ -44,18 +44,18 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
             loop = EngineCoreClient(addresses[0], settings.engine_secret, timeout_s=settings.startup_timeout_s)
         else:  # one core per data-parallel rank
             loop = DataParallelClient(addresses, settings.engine_secret, timeout_s=settings.startup_timeout_s)
-        engine = loop.engine  # the frontend: tokenizer and limits; the model is in the core
     else:
         if engine is None:
             logger.info("starting the engine: %s", settings.engine)
             engine = LLMEngine(settings.engine)
         loop = EngineLoop(engine)
-    if settings.chat_template is not None and engine.tokenizer is not None:
-        engine.tokenizer.set_chat_template(settings.chat_template)  # before any request: one writer
+    frontend = loop.frontend  # tokenizer and limits (with engine cores, the model is in them)
+    if settings.chat_template is not None and frontend.tokenizer is not None:
+        frontend.tokenizer.set_chat_template(settings.chat_template)  # before any request: one writer
     app = Flask("jaxllm")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, engine.model_name))
+    st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, frontend.model_name))
     app.extensions["jaxllm"] = st
     app.register_blueprint(openai_routes.bp)
     app.register_blueprint(pooling_routes.bp)
@@ -109,7 +109,7 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
         logger.exception("unhandled error")
         return error_response(500, f"internal error: {type(e).__name__}")
 
-    logger.info("ready: serving %s (max_model_len %d)", engine.model_name, engine.max_model_len)
+    logger.info("ready: serving %s (max_model_len %d)", frontend.model_name, frontend.max_model_len)
     return app
 
 

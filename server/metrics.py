@@ -6,13 +6,13 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from jaxllm.engine.engine_loop import EngineLoop
+from jaxllm.engine.engine_client import EngineClient
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 
 
 class EngineCollector:
-    def __init__(self, loop: EngineLoop, model_name: str):
+    def __init__(self, loop: EngineClient, model_name: str):
         self.loop, self.labels = loop, [model_name]
 
     def collect(self):
@@ -63,7 +63,7 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, loop: EngineLoop, model_name: str):
+    def __init__(self, loop: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(loop, model_name))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total...

@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 
-from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.frontend import Frontend
 from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.multimodal.chat import chat_images, has_images
@@ -49,9 +49,9 @@ def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: st
           prompt_param: str = "prompt", images: list | None = None) -> Generation:
     """Validates and tokenizes the prompts off the hub thread, then hands them to the engine. images: a single
     prompt's images (decoded), preprocessed there too; stream: the outputs are deltas (`Generation`)."""
-    engine = state().engine
+    frontend = state().frontend
     try:
-        prepared = [offload(len(p) if isinstance(p, str) else 0, engine.prepare_prompt, p, params, cache_salt,
+        prepared = [offload(len(p) if isinstance(p, str) else 0, frontend.prepare_prompt, p, params, cache_salt,
                             *((images,) if images else ())) for p in prompts]
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=prompt_param, code="context_length_exceeded") from None
@@ -64,21 +64,21 @@ def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: st
                       client_gone=lambda: client_gone(environ))
 
 
-def chat_prompt_ids(engine: LLMEngine, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
+def chat_prompt_ids(frontend: Frontend, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
     """Renders the chat template and tokenizes it; refuses a rendering too long to fit before tokenizing it.
     Returns the token ids and the messages' images (loaded under `policy`, decoded). Runs on a worker thread: no
     Flask context here."""
     messages = [m.as_template_input() for m in req.messages]
     images = []
     if has_images(messages):
-        if engine.mm_spec is None:
+        if frontend.mm_spec is None:
             raise InvalidRequestError("this model does not take images", "messages")
         messages, images = chat_images(messages, policy)
     tools = {"tools": req.tool_definitions()} if req.uses_tools() else {}
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+    text = frontend.tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                                 **(req.chat_template_kwargs or {}), **tools)
-    engine.check_text_fits(text)
-    return engine.tokenizer.encode(text, add_special_tokens=False), images
+    frontend.check_text_fits(text)
+    return frontend.tokenizer.encode(text, add_special_tokens=False), images
 
 
 def sse(events: Iterator[dict], gen: Generation, on_end: Callable[[], None]) -> Response:
@@ -159,7 +159,7 @@ def completions():
     params = sampling_params(req, req.max_tokens, req.logprobs)
     gen = start(req.prompts(), params, req.cache_salt, stream=req.stream)
     created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
-    tok = state().engine.tokenizer
+    tok = state().frontend.tokenizer
 
     def prompt_text(out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -249,7 +249,7 @@ def _chat_logprobs(c: CompletionOutput, top_n: int) -> dict:
 def chat_completions():
     req = parse(ChatCompletionRequest)
     st = state()
-    tok = st.engine.tokenizer
+    tok = st.frontend.tokenizer
     top_n = req.top_logprobs or 0
     if tok is None:
         raise APIError(400, "this model has no tokenizer: use /v1/completions with token ids", param="messages")
@@ -266,7 +266,7 @@ def chat_completions():
             tok.chat_template.source if tok.chat_template else None))
     try:
         ids, images = offload(req.text_chars() + IMAGE_COST_CHARS * sum(m.has_images() for m in req.messages),
-                              chat_prompt_ids, st.engine, req, st.settings.image_policy)
+                              chat_prompt_ids, st.frontend, req, st.settings.image_policy)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from None
     except InvalidRequestError as e:

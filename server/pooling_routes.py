@@ -35,11 +35,11 @@ def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str |
          param: str = "input") -> list[PoolingRequestOutput]:
     """Validates and tokenizes the inputs (off the hub thread), pools them on the engine, waits for every vector."""
     st = state()
-    if params.task not in st.engine.limits.tasks:
+    if params.task not in st.frontend.limits.tasks:
         what, hint = ("produce embeddings", "serve an embedding model, or set pooling") if params.task == EMBED else \
             ("classify", "serve a cross-encoder")
         raise APIError(400, f"the model '{st.model_name}' does not {what} (it supports: "
-                       f"{', '.join(st.engine.limits.tasks)}); {hint}", param="model")
+                       f"{', '.join(st.frontend.limits.tasks)}); {hint}", param="model")
     gen = start(inputs, params, cache_salt, prompt_param=param)  # validated and tokenized as prompts are
     outs = gen.wait()
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
@@ -81,10 +81,10 @@ def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tup
     try:
         pairs = scoring.pairs(text_1, text_2, names)
         for text in dict.fromkeys(t for pair in pairs for t in pair):
-            st.engine.check_text_fits(text)
+            st.frontend.check_text_fits(text)
         chars = sum(len(a) + len(b) for a, b in pairs)
-        plan = offload(chars, scoring.plan, st.engine.limits.tasks, st.engine.tokenizer, pairs, truncate,
-                       st.engine.score_template)
+        plan = offload(chars, scoring.plan, st.frontend.limits.tasks, st.frontend.tokenizer, pairs, truncate,
+                       st.frontend.score_template)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param=names[1], code="context_length_exceeded") from None
     except InvalidRequestError as e:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxllm.engine.core_client import EngineCoreClient
-from jaxllm.engine.dp_client import DataParallelClient
-from jaxllm.engine.engine_loop import EngineLoop
+from jaxllm.engine.engine_client import EngineClient
+from jaxllm.engine.frontend import Frontend
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 
@@ -14,17 +13,17 @@ from server.settings import ServerSettings
 @dataclasses.dataclass
 class ServerState:
     settings: ServerSettings
-    loop: EngineLoop | EngineCoreClient | DataParallelClient  # the engine here, or engine-core processes' client
+    loop: EngineClient  # the engine loop here, or the engine-core processes' client
     metrics: ServerMetrics
     active_requests: int = 0  # touched only by request greenlets (one hub thread)
 
     @property
-    def engine(self):
-        return self.loop.engine
+    def frontend(self) -> Frontend:
+        return self.loop.frontend
 
     @property
     def model_name(self) -> str:
-        return self.engine.model_name
+        return self.frontend.model_name
 
     @property
     def capacity(self) -> int:

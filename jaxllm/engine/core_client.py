@@ -1,7 +1,7 @@
 """An API server's handle on an engine-core process: the same interface as the in-process `EngineLoop`
-(`add_request`, `abort_request`, `alive`, `stats`, `stop`, `engine`), over ZeroMQ (see `core_protocol`).
+(`EngineClient`), over ZeroMQ (see `core_protocol`).
 
-`engine` is a `Frontend` built from the limits the core sends at the handshake and the model's tokenizer,
+`frontend` is built from the limits the core sends at the handshake and the model's tokenizer,
 loaded here: prompts are tokenized and validated in this process. One reader (a greenlet under gevent, else a
 daemon thread) receives outputs and hands them to each request's callback, as the engine made them. When the
 core's connection drops (the process died) every unfinished request gets an `EngineDeadError` at once and
@@ -73,7 +73,7 @@ class EngineCoreClient:
             raise
         self.info, self.stats = info, info.stats
         load = tokenizer_loader or _load_tokenizer
-        self.engine = Frontend(load(info), info.limits, info.eos_token_ids, info.model_name, info.score_template,
+        self.frontend = Frontend(load(info), info.limits, info.eos_token_ids, info.model_name, info.score_template,
                                info.mm_spec)
         self._start_reader()
 
@@ -113,7 +113,7 @@ class EngineCoreClient:
                     prepared: PreparedPrompt | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine core is not connected")
-        text, ids, mm = PreparedPrompt(*(prepared or self.engine.prepare_prompt(prompt, params, cache_salt)))
+        text, ids, mm = PreparedPrompt(*(prepared or self.frontend.prepare_prompt(prompt, params, cache_salt)))
         self.requests[request_id] = _Request(request_id, text, ids, on_output)
         images = None if mm is None else [proto.WireImage(rows, tuple(grid)) for rows, grid in mm.to_wire()]
         payload = proto.encode(proto.Add(request_id, text, ids, proto.params_to_wire(params), cache_salt, images))

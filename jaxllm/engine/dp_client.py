@@ -48,7 +48,7 @@ class DataParallelClient:
         first = EngineCoreClient(addresses[0], secret, timeout_s=timeout_s, tokenizer_loader=tokenizer_loader)
         self.ranks = [first] + [EngineCoreClient(a, secret, timeout_s=timeout_s, tokenizer_loader=lambda info: None)
                                 for a in addresses[1:]]
-        self.engine = first.engine  # every rank serves the same model: one frontend
+        self.frontend = first.frontend  # every rank serves the same model: one frontend
         self.page_size = first.info.page_size
         self.slack = max(2, first.info.max_num_seqs // 4)
         self.owner: dict[str, int] = {}
@@ -83,7 +83,7 @@ class DataParallelClient:
                     prepared: tuple[str | None, list[int]] | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "an engine core is not connected")
-        prepared = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
+        prepared = prepared or self.frontend.prepare_prompt(prompt, params, cache_salt)
         preferred = preferred_rank(prepared[1], cache_salt, self.page_size, len(self.ranks))
         rank = choose_rank([r.load for r in self.ranks], preferred, self.slack, self._turn)
         self._turn = (rank + 1) % len(self.ranks)

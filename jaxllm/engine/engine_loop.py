@@ -56,6 +56,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, on_death: Callable[[], None] | None = None,
                  flush: Callable[[], None] | None = None, *, thread: bool = True):
         self.engine = engine
+        self.frontend = engine.frontend  # `EngineClient`
         self.on_death = on_death
         self.flush = flush
         self._inbox: _queue.SimpleQueue = _queue.SimpleQueue()

@@ -10,9 +10,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 
-PARTS = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}
+NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}  # the parts of each (which module is which: `FamilySpec.fused`)
 
 
 def part_shapes(fused: str, cfg: ModelConfig, tail: tuple[int, ...]) -> list[tuple[int, ...]]:

@@ -12,35 +12,37 @@ from jaxllm.loading.errors import LoadError
 from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.gguf_quant import FORMATS
 from jaxllm.loading.quantize import join_plan, role_of
-from jaxllm.models.registry import GGUF_ARCHITECTURES, architecture_spec
+from jaxllm.models.family import FamilySpec
+from jaxllm.models.registry import architecture_spec, gguf_architectures
 from pallas_kernels.quantized_matmul import QuantFormat
 
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
-
-def gguf_to_hf_name(name: str) -> str | None:
+def gguf_to_hf_name(name: str, spec: FamilySpec) -> str | None:
+    """A GGUF tensor name -> the Hugging Face name it loads as, by the family's tables (None: not a model
+    tensor)."""
     if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+        hf = spec.gguf_layer_names.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
     if m := re.fullmatch(r"(\w+)\.(weight|bias)", name):
-        return f"{_TOP_NAMES[m[1]]}.{m[2]}" if m[1] in _TOP_NAMES else None
+        hf = spec.gguf_top_names.get(m[1])
+        return f"{hf}.{m[2]}" if hf else None
     return None
+
+
+def gguf_family(g: GGUFFile) -> FamilySpec:
+    arch = g.metadata.get("general.architecture")
+    known = gguf_architectures()
+    if arch not in known:
+        raise LoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(known))}")
+    return architecture_spec(known[arch])
 
 
 def gguf_config(g: GGUFFile) -> ModelConfig:
     meta = g.metadata
     arch = meta.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise LoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: "
-                        f"{', '.join(sorted(GGUF_ARCHITECTURES))}")
-    name = GGUF_ARCHITECTURES[arch]
-    spec = architecture_spec(name)
+    spec = gguf_family(g)
+    name = spec.architecture
 
     def get(key, default=None):
         value = meta.get(f"{arch}.{key}", default)
@@ -98,16 +100,18 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 def gguf_quant_plan(g: GGUFFile) -> dict[str, QuantFormat]:
     """The weights a GGUF file keeps quantized, each in the one format that holds all its tensors (a Q4_K_M file
     mixes Q4_K and Q6_K in some weights: those become 8-bit, `QuantFormat.join`)."""
-    return join_plan((role_of(hf) if (hf := gguf_to_hf_name(name)) else None, FORMATS.get(info.qtype))
+    spec = gguf_family(g)
+    return join_plan((role_of(hf, spec) if (hf := gguf_to_hf_name(name, spec)) else None, FORMATS.get(info.qtype))
                      for name, info in g.tensors.items())
 
 
 def gguf_tensors(g: GGUFFile, cfg: ModelConfig, quantized: bool = False) -> Iterator[tuple[str, object, str]]:
     """(hf_name, load, source) per tensor; load() dequantizes to float, or with `quantized` returns the
     quantized types' blocks repacked (`HostQuantized`)."""
-    permuted = architecture_spec(cfg.architecture).permuted_qk_in_gguf
+    spec = architecture_spec(cfg.architecture)
+    permuted = spec.permuted_qk_in_gguf
     for name in g.tensors:
-        hf_name = gguf_to_hf_name(name)
+        hf_name = gguf_to_hf_name(name, spec)
         if hf_name is None:
             if name != "rope_freqs.weight":
                 raise LoadError(f"{g.path}: unexpected tensor {name!r}")

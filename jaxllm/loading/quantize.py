@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxllm.models.family import FamilySpec
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, INT8, QuantFormat, QuantizedWeight
 
 
@@ -80,16 +81,15 @@ def convert(t: HostQuantized | np.ndarray, fmt: QuantFormat | None) -> Quantized
 
 
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
-_ROLES = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "o_proj": "o_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj",
-          "embed_tokens": "embed_tokens", "lm_head": "lm_head"}
-
-
-def role_of(hf_name: str) -> str | None:
+def role_of(hf_name: str, spec: FamilySpec) -> str | None:
     """'model.layers.3.self_attn.k_proj.weight' -> 'qkv_proj': the model weight (`QUANTIZABLE`) a checkpoint
-    tensor belongs to; None for biases, norms and anything else."""
+    tensor belongs to, by its family's fusions; None for biases, norms and anything else."""
     parts = hf_name.split(".")
-    return _ROLES.get(parts[-2]) if len(parts) > 1 and parts[-1] == "weight" else None
+    if len(parts) < 2 or parts[-1] != "weight":
+        return None
+    module = parts[-2]
+    role = spec.fused[module][0] if module in spec.fused else module
+    return role if role in spec.quantizable else None
 
 
 def join_plan(formats) -> dict[str, QuantFormat]:

@@ -25,9 +25,11 @@ from jax.sharding import Mesh
 from jaxllm.config import ModelConfig
 from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
-from jaxllm.loading.fused import NUM_PARTS, PARTS, fuse, part_shapes
+from jaxllm.loading.fused import NUM_PARTS, fuse, part_shapes
 from jaxllm.loading.quantize import HostQuantized, convert
+from jaxllm.models.family import LLAMA_FUSED
 from jaxllm.models.llama import LlamaForCausalLM, QuantPlan
+from jaxllm.models.registry import architecture_spec
 from jaxllm.sharding import logical_rules, named_sharding
 from pallas_kernels.quantized_matmul import QuantizedWeight
 
@@ -35,10 +37,10 @@ from pallas_kernels.quantized_matmul import QuantizedWeight
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 
-def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | None:
+def hf_name_to_path(name: str, fused: dict = LLAMA_FUSED) -> tuple[tuple[str | int, ...], int | None] | None:
     """'model.layers.3.self_attn.k_proj.weight' -> (('layers', 3, 'self_attn', 'qkv_proj', 'weight'), 1): the
     model parameter and, for a tensor the model keeps fused, which part it is (None otherwise). None: not a
-    model tensor. Linear weights keep the checkpoints' [out, in] layout."""
+    model tensor. Linear weights keep the checkpoints' [out, in] layout. fused: the family's (`FamilySpec.fused`)."""
     parts = name.split(".")
     if parts[0] == "model":
         parts = parts[1:]
@@ -48,9 +50,9 @@ def hf_name_to_path(name: str) -> tuple[tuple[str | int, ...], int | None] | Non
     module = path[-2] if len(path) > 1 else ""
     if module == "embed_tokens" and path[-1] == "weight":
         return tuple(path[:-1]) + ("embedding",), None
-    if module in PARTS:
-        fused, part = PARTS[module]
-        return tuple(path[:-2]) + (fused, path[-1]), part
+    if module in fused:
+        into, part = fused[module]
+        return tuple(path[:-2]) + (into, path[-1]), part
     return tuple(path), None
 
 
@@ -58,7 +60,8 @@ def abstract_model(cfg: ModelConfig, dtype, kernels: Kernels, *, stacked: bool =
                    quantization: QuantPlan | None = None) -> LlamaForCausalLM:
     """The model's shapes (no arrays), its layers stacked as the loaders return them (or separate: the layout of
     an orbax checkpoint)."""
-    model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None, quantization=quantization)
+    model = architecture_spec(cfg.architecture).model_class()(cfg, dtype=dtype, kernels=kernels, rngs=None,
+                                                              quantization=quantization)
     if stacked:
         model.stack_layers()  # abstract: only shapes move
     return model
@@ -194,6 +197,7 @@ def assemble_model(
     the input axis); every other tensor arrives as float. read_stats: counts the bytes read."""
     plan = dict(quantization or {})
     stats = read_stats or ReadStats()
+    spec = architecture_spec(cfg.architecture)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, quantization=plan))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
@@ -206,7 +210,7 @@ def assemble_model(
         return regions[path][0 if layer is None else 1:]
     entries = []  # (variable path, layer, part, name, load, source, expected shape)
     for name, load, source in tensors:
-        mapped = hf_name_to_path(name)
+        mapped = hf_name_to_path(name, spec.fused)
         if mapped is None or IGNORED.match(name):
             continue
         path, part = mapped

@@ -41,7 +41,6 @@ class Attention(nnx.Module):
         quant = quant or {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.group = cfg.num_heads // cfg.num_kv_heads
-        self.sliding_window = cfg.sliding_window
         # q, k and v in one matmul (fewer, larger matmuls run closer to memory bandwidth on CPU). Rows are
         # grouped by KV head, [kv_heads, group + 2, head_dim] (the group's q heads, then its k, then its v), so
         # splitting the rows by KV head for tensor parallelism splits q, k and v alike, whatever the tp size.
@@ -64,17 +63,19 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def dense(self, x, cos, sin, *, valid, positions):
-        """x [B, S, E] -> [B, S, E]."""
+    def dense(self, x, cos, sin, *, valid, positions, window):
+        """x [B, S, E] -> [B, S, E]. window: the layer's attention window (None: the whole context; an int, or a
+        traced int32 scalar when layers differ and run under a scan)."""
         q, k, v = self._qkv(x, cos, sin)
         out = dense_causal_attention(q, k, v, valid=valid, positions=positions, sm_scale=self.head_dim ** -0.5,
-                                     sliding_window=self.sliding_window)
+                                     sliding_window=window)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
-    def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable):
-        """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv)."""
+    def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable,
+              window):
+        """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv). window: as in `dense`."""
         q, k, v = self._qkv(x, cos, sin)
         out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
                                         meta.query_start_loc, sm_scale=self.head_dim ** -0.5,
-                                        sliding_window=self.sliding_window)
+                                        sliding_window=window)
         return self.o_proj(out.reshape(x.shape[0], -1)), (k_cache, v_cache)

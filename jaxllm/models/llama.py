@@ -23,18 +23,19 @@ from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
 from jaxllm.kernels import Kernels, attention_kernel, choose_kernels, matmul_kernel, quantized_matmul_kernel
 from jaxllm.models.attention import Attention
+from jaxllm.models.family import LLAMA_QUANTIZABLE
 from jaxllm.models.layers import Embed, Linear, RMSNorm
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
 from jaxllm.models.stacked_layers import StackedLayers
 from pallas_kernels.quantized_matmul import QuantFormat
 
-# Which weights a quantization plan names: each is one parameter of every layer, or the embedding / LM head.
-QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
+QUANTIZABLE = LLAMA_QUANTIZABLE  # which weights a quantization plan names
 QuantPlan = dict[str, QuantFormat]  # weight name (QUANTIZABLE) -> its format; absent: float
 
 # K and V, each [kv_heads, num_layers * pages_per_layer, page_size, head_dim]: every layer's pages in one array
 # (layer l's page p is page l * pages_per_layer + p), so a scan over layers carries two arrays, not 2 x layers.
 KVCache = tuple[jax.Array, jax.Array]
+WHOLE_CONTEXT = 1 << 30  # a runtime window that masks nothing
 
 
 class MLP(nnx.Module):
@@ -46,9 +47,17 @@ class MLP(nnx.Module):
         self.gate_up_proj = Linear(e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, quant=quant.get("gate_up_proj"))
         self.down_proj = Linear(f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, quant=quant.get("down_proj"))
 
+        self.activation = cfg.activation
+
     def __call__(self, x):
         gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], -1, 2)  # [..., mlp, 2]
-        return self.down_proj(jax.nn.silu(gate_up[..., 0]) * gate_up[..., 1])
+        return self.down_proj(activate(gate_up[..., 0], self.activation) * gate_up[..., 1])
+
+
+def activate(x: jax.Array, activation: str) -> jax.Array:
+    if activation == "silu":
+        return jax.nn.silu(x)
+    return jax.nn.gelu(x, approximate=activation == "gelu_tanh")
 
 
 class DecoderLayer(nnx.Module):
@@ -176,6 +185,17 @@ class LlamaForCausalLM(nnx.Module):
         rope = self.config.rope
         return rope_cos_sin(positions, inv_freq, attention_factor, rope.mrope_section, rope.mrope_interleaved)
 
+    def window(self, index) -> int | jax.Array | None:
+        """Layer `index`'s attention window: the config's static one when every layer has the same; with
+        `layer_windows`, the layer's (a static int when the layers run unrolled, a lookup by the scan's counter
+        otherwise; a whole-context layer's is then `WHOLE_CONTEXT`)."""
+        windows = self.config.layer_windows
+        if windows is None:
+            return self.config.sliding_window
+        if isinstance(index, int):
+            return windows[index] or None
+        return jnp.asarray([w or WHOLE_CONTEXT for w in windows], jnp.int32)[index]
+
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> float32 logits [..., V]."""
         out = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
@@ -215,7 +235,9 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
         def run(layer, x, carry, index):
-            x, carry = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal), None))
+            window = self.window(index)
+            x, carry = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal,
+                                                            window=window), None))
             return _add_deepstack(x, deepstack, index), carry
 
         x, _ = self._run_layers(run, x, None)
@@ -235,7 +257,8 @@ class LlamaForCausalLM(nnx.Module):
 
         def run(layer, x, kv, index):
             meta = metadata.offset_pages(index * pages_per_layer, page_size)
-            x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn))
+            window = self.window(index)
+            x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window))
             return _add_deepstack(x, deepstack, index), kv
 
         x, kv_cache = self._run_layers(run, x, kv_cache)

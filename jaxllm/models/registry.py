@@ -1,45 +1,53 @@
-"""Architectures jaxllm runs, keyed by the Hugging Face `architectures` name.
-
-All of them are the same decoder (`jaxllm.models.llama.LlamaForCausalLM`); a spec records only how each
-family's config differs from Llama's.
-"""
+"""The decoder families jaxllm runs, keyed by their Hugging Face `architectures` name: each is one module of
+`jaxllm.models.families` (its `SPEC`) and one line of `FAMILIES` below. (Encoders and vision-language models
+have their own tables: `jaxllm.models.encoder`, `jaxllm.models.qwen_vl`.)"""
 
 from __future__ import annotations
 
-import dataclasses
+import importlib
+
+from jaxllm.models.family import FamilySpec
+
+FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+)
+
+ARCHITECTURES: dict[str, FamilySpec] = {}
 
 
-@dataclasses.dataclass(frozen=True)
-class ArchitectureSpec:
-    gguf_arch: str  # `general.architecture` in GGUF files
-    attention_bias_default: bool = False
-    o_bias_follows_attention_bias: bool = True
-    qk_norm: bool = False
-    tie_default: bool = False
-    sliding_window_default: bool = False  # whether `sliding_window` applies without `use_sliding_window`
-    permuted_qk_in_gguf: bool = False  # llama.cpp reorders q/k rows for interleaved RoPE
+def register(spec: FamilySpec) -> FamilySpec:
+    """Adds a family (the listed ones are added at import; a test or a plugin may add its own)."""
+    if ARCHITECTURES.get(spec.architecture, spec) != spec:
+        raise ValueError(f"{spec.architecture} is registered already, as another family")
+    ARCHITECTURES[spec.architecture] = spec
+    return spec
 
 
-ARCHITECTURES: dict[str, ArchitectureSpec] = {
-    "LlamaForCausalLM": ArchitectureSpec(gguf_arch="llama", permuted_qk_in_gguf=True),
-    "MistralForCausalLM": ArchitectureSpec(gguf_arch="llama", sliding_window_default=True,
-                                           permuted_qk_in_gguf=True),
-    "Qwen2ForCausalLM": ArchitectureSpec(gguf_arch="qwen2", attention_bias_default=True,
-                                         o_bias_follows_attention_bias=False),
-    "Qwen3ForCausalLM": ArchitectureSpec(gguf_arch="qwen3", qk_norm=True),
-}
-
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+for _name in FAMILIES:
+    register(importlib.import_module(f"jaxllm.models.families.{_name}").SPEC)
 
 
 class UnsupportedArchitectureError(ValueError):
     pass
 
 
-def architecture_spec(name: str) -> ArchitectureSpec:
+def architecture_spec(name: str) -> FamilySpec:
     try:
         return ARCHITECTURES[name]
     except KeyError:
         raise UnsupportedArchitectureError(
             f"unsupported architecture {name!r}; supported: {', '.join(sorted(ARCHITECTURES))}"
         ) from None
+
+
+def gguf_architectures() -> dict[str, str]:
+    """GGUF `general.architecture` -> the Hugging Face architecture its files load as (the first family
+    registered for it: Llama's for "llama", which Mistral's files share)."""
+    out: dict[str, str] = {}
+    for spec in ARCHITECTURES.values():
+        if spec.gguf_arch is not None:
+            out.setdefault(spec.gguf_arch, spec.architecture)
+    return out

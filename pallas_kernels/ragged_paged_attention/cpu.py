@@ -46,7 +46,7 @@ def write_and_attend(
     query_start_loc: jax.Array,  # [S + 1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or a traced int32 scalar (per layer)
     soft_cap: float | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
     """One custom call writes the step's K/V into the caches in place (outputs aliased to the donated cache
@@ -57,7 +57,8 @@ def write_and_attend(
     t, h, d = q.shape
     # Query tokens that share a K/V page read: one for decode, up to MAX_BLOCK_Q for prefill chunks.
     block_q = min(default_block_q(t, block_tables.shape[0]), MAX_BLOCK_Q)
-    params = jnp.array([sm_scale, sliding_window or 0, soft_cap or 0.0, block_q], jnp.float32)
+    window = 0 if sliding_window is None else sliding_window  # the kernel reads <= 0 as none
+    params = jnp.array([sm_scale, window, soft_cap or 0.0, block_q], jnp.float32)
     f32, i32, kv = jnp.float32, jnp.int32, k_cache.dtype
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((t, h, d), f32), jax.ShapeDtypeStruct(k_cache.shape, kv),
                                      jax.ShapeDtypeStruct(v_cache.shape, kv)), input_output_aliases={5: 1, 6: 2})

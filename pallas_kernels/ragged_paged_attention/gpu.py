@@ -92,9 +92,9 @@ def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     return BlockSizes(block_q, tokens_per_iter, warps, stages, splits)
 
 
-def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_ref, k_ref, v_ref, *out_refs,
-            group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
-            sliding_window: int | None, soft_cap: float | None, normalise: bool):
+def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, window_ref, q_ref, k_ref, v_ref,
+            *out_refs, group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
+            windowed: bool, soft_cap: float | None, normalise: bool):
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape  # block_q * group real rows, then padding up to the tile's MIN_ROWS
     page_size = k_ref.shape[1]
@@ -118,8 +118,8 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_
         in_seq = live & (tok >= q_start) & (tok < q_end)
         q_pos = ctx_start + tok - q_start
         first_page = jnp.int32(0)
-        if sliding_window is not None:
-            first_page = jnp.maximum(ctx_start + lo - q_start - sliding_window + 1, 0) // page_size
+        if windowed:
+            first_page = jnp.maximum(ctx_start + lo - q_start - window_ref[0] + 1, 0) // page_size
             first_page = first_page // pages_per_iter * pages_per_iter  # iterations stay aligned with the split
         num_pages = jnp.where(hi > lo, (ctx_start + hi - 1 - q_start) // page_size + 1, 0)
         start = jnp.maximum(first_page, split * pages_per_split)
@@ -139,8 +139,8 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, q_
                     sc = soft_cap * jnp.tanh(sc / soft_cap)
                 k_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
                 mask = in_seq[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (j < stop)
-                if sliding_window is not None:
-                    mask &= k_pos[None, :] > q_pos[:, None] - sliding_window
+                if windowed:
+                    mask &= k_pos[None, :] > q_pos[:, None] - window_ref[0]
                 scores.append(jnp.where(mask, sc, MASK_VALUE))
                 values.append(v_ref[page].astype(cdt))
             m_new = m
@@ -175,7 +175,7 @@ def _pad_to_pow2(x: jax.Array) -> jax.Array:
     return jnp.pad(x, (0, _pow2(x.shape[0]) - x.shape[0]))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "sizes", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_cache: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
@@ -185,7 +185,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or a traced int32 scalar (per layer)
     soft_cap: float | None = None,
     sizes: BlockSizes | None = None,
     interpret: bool = False,
@@ -216,12 +216,13 @@ def ragged_paged_attention(
     needed = (jnp.max(kv_lens) + page_size - 1) // page_size
     per_split = -(-needed // splits)
     per_split = (per_split + pages_per_iter - 1) // pages_per_iter * pages_per_iter
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     ints = [_pad_to_pow2(x.astype(jnp.int32)) for x in
-            (kv_lens, block_tables.reshape(-1), query_start_loc, first, last, per_split.reshape(1))]
+            (kv_lens, block_tables.reshape(-1), query_start_loc, first, last, per_split.reshape(1), window)]
     normalise = splits == 1
     kernel = functools.partial(_kernel, group=gp, block_q=block_q, max_pages=max_pages,
-                               pages_per_iter=pages_per_iter, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, normalise=normalise)
+                               pages_per_iter=pages_per_iter, sm_scale=sm_scale,
+                               windowed=sliding_window is not None, soft_cap=soft_cap, normalise=normalise)
     whole = [pl.BlockSpec(x.shape, lambda hh, bb, ss: (0,)) for x in ints]
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda hh, bb, ss: (hh, 0, 0, 0))
     if normalise:

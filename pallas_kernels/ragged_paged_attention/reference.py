@@ -30,8 +30,7 @@ def default_block_q(num_tokens: int, num_seqs: int) -> int:
     return min(32, 1 << (mean.bit_length() - 1))
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "kv_block_pages",
-                                             "block_q"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "kv_block_pages", "block_q"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_cache: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
@@ -41,7 +40,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # None: none; an int or a traced int32 scalar (per layer)
     soft_cap: float | None = None,
     kv_block_pages: int | None = None,
     block_q: int | None = None,

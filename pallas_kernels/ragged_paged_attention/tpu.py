@@ -21,11 +21,11 @@ from pallas_kernels.ragged_paged_attention.blocks import DEFAULT_BLOCK_Q, block_
 from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
 
 
-def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref,  # scalar prefetch (SMEM)
+def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, window_ref,  # scalar prefetch (SMEM)
             q_ref, k_hbm, v_hbm,  # q: [rows, D] VMEM; k/v: [kv_heads, pages, page_size, D] HBM
             o_ref,  # [rows, D]
             k_buf, v_buf, sems,  # [2, page_size, D] x 2 VMEM, DMA semaphores [2, 2]
-            *, group: int, block_q: int, max_pages: int, sm_scale: float, sliding_window: int | None,
+            *, group: int, block_q: int, max_pages: int, sm_scale: float, windowed: bool,
             soft_cap: float | None):
     h, b = pl.program_id(0), pl.program_id(1)
     rows, d = q_ref.shape
@@ -48,8 +48,8 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref,  # scalar pre
         in_seq = (tok >= q_start) & (tok < q_end)
         q_pos = ctx_start + tok - q_start  # [rows, 1]
         first_page = 0
-        if sliding_window is not None:
-            first_page = jax.lax.div(jnp.maximum(ctx_start + lo - q_start - sliding_window + 1, 0), page_size)
+        if windowed:
+            first_page = jax.lax.div(jnp.maximum(ctx_start + lo - q_start - window_ref[0] + 1, 0), page_size)
         num_pages = jnp.where(hi > lo, jax.lax.div(ctx_start + hi - 1 - q_start, page_size) + 1, 0)
 
         @pl.when(num_pages > first_page)
@@ -75,8 +75,8 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref,  # scalar pre
                 scores = soft_cap * jnp.tanh(scores / soft_cap)
             k_pos = j * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
             mask = in_seq & (k_pos <= q_pos)
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
+            if windowed:
+                mask &= k_pos > q_pos - window_ref[0]
             scores = jnp.where(mask, scores, MASK_VALUE)
             m_new = jnp.maximum(m, scores.max(axis=1, keepdims=True))
             p = jnp.where(mask, jnp.exp(scores - m_new), 0.0)
@@ -94,7 +94,7 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref,  # scalar pre
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "soft_cap", "block_q", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, num_heads, head_dim]
     k_cache: jax.Array,  # [kv_heads, num_pages, page_size, head_dim]
@@ -104,7 +104,7 @@ def ragged_paged_attention(
     query_start_loc: jax.Array,  # [S + 1] int32
     *,
     sm_scale: float,
-    sliding_window: int | None = None,
+    sliding_window: int | jax.Array | None = None,  # an int, or a traced int32 scalar (per layer)
     soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     interpret: bool = False,
@@ -118,13 +118,14 @@ def ragged_paged_attention(
     qk = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, kvh, group, d)
     qk = qk.transpose(1, 0, 2, 3).reshape(kvh, t_pad * group, d)
     first, last = block_seq_ranges(query_start_loc, t, block_q)
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     rows = block_q * group
     kernel = functools.partial(_kernel, group=group, block_q=block_q, max_pages=block_tables.shape[1],
-                               sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                               sm_scale=sm_scale, windowed=sliding_window is not None, soft_cap=soft_cap)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5,
+            num_scalar_prefetch=6,
             grid=(kvh, num_blocks),
             in_specs=[
                 pl.BlockSpec((None, rows, d), lambda hh, bb, *_: (hh, bb, 0)),
@@ -142,6 +143,6 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, block_tables.reshape(-1), query_start_loc, first, last, qk, k_cache, v_cache)
+    )(kv_lens, block_tables.reshape(-1), query_start_loc, first, last, window, qk, k_cache, v_cache)
     out = out.reshape(kvh, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, h, d)
     return out[:t]

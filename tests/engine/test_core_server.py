@@ -11,7 +11,8 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.core_client import EngineCoreClient, EngineCoreRefused
 from jaxllm.engine.core_server import EngineCoreServer
-from jaxllm.engine.engine_loop import EngineDeadError
+from jaxllm.engine.engine_client import EngineClient
+from jaxllm.engine.engine_loop import EngineDeadError, EngineLoop
 
 SECRET = "test-secret"
 
@@ -68,7 +69,8 @@ def wait_idle(core, timeout=30):
 def test_outputs_equal_the_engines_own(core, tiny_llm):
     client = connect(core)
     try:
-        assert client.alive and client.engine.max_model_len == tiny_llm.engine.max_model_len
+        assert client.alive and client.frontend.max_model_len == tiny_llm.engine.max_model_len
+        assert isinstance(client, EngineClient) and isinstance(EngineLoop(tiny_llm.engine, thread=False), EngineClient)
         prompts = [[1, 5, 9, 3], [7, 7, 2], [4, 11, 30, 8, 2, 6]]
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         sampled = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)

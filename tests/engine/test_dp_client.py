@@ -11,6 +11,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.core_server import EngineCoreServer
 from jaxllm.engine.dp_client import AFFINITY_PAGES, DataParallelClient, choose_rank, preferred_rank
+from jaxllm.engine.engine_client import EngineClient
 
 SECRET = "dp-secret"
 
@@ -71,6 +72,7 @@ def test_two_ranks_spread_load_and_share_prefixes(two_cores):
     client = DataParallelClient([s.address for s in two_cores], SECRET, timeout_s=30,
                                 tokenizer_loader=lambda info: None)
     try:
+        assert isinstance(client, EngineClient)  # what the routes talk to, whatever the serve mode
         params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
         short = [[i + 1, i + 2, i + 3] for i in range(12)]  # under a page: routed by load alone
         outs = {}

@@ -152,3 +152,51 @@ def test_kernel_lowers_for_its_platform(platform, kernel, marker, tokens, seqs, 
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(marker)])(*args)
     assert marker in exported.mlir_module()
     assert exported.out_avals[0].shape == (tokens, h, d)
+
+
+@pytest.mark.parametrize("kernel", ["reference", "cpu", *sorted(KERNELS)])
+def test_a_window_can_be_a_runtime_value(kernel):
+    """Per-layer windows under a layer scan reach the kernels as traced int32 scalars: the same numbers as the
+    static window, and a whole-context window masks nothing."""
+    from jaxllm.models.llama import WHOLE_CONTEXT
+    from pallas_kernels.ragged_paged_attention import cpu
+
+    case = make_case("mixed", num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    fn = {"reference": reference.ragged_paged_attention, "cpu": _cpu_attend(cpu)}.get(kernel)
+    fn = fn or functools.partial(KERNELS[kernel], interpret=True)
+    m = case.meta
+    traced = jax.jit(lambda w: fn(case.q, case.k_cache, case.v_cache, m.kv_lens, m.block_tables, m.query_start_loc,
+                                  sm_scale=case.q.shape[-1] ** -0.5, sliding_window=w))
+    for window, static in ((11, 11), (WHOLE_CONTEXT, None)):
+        want = run(fn, case, sliding_window=static)
+        got = np.asarray(traced(jnp.int32(window)).astype(jnp.float32))
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert not np.allclose(run(fn, case, sliding_window=11), run(fn, case))  # the window does mask something
+
+
+def _cpu_attend(cpu):
+    """The CPU kernel reads a cache it writes first: with nothing new to write (every slot -1), it only attends."""
+    def attend(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, **options):
+        t, _, d = q.shape
+        kvh = k_cache.shape[0]
+        none = jnp.zeros((t, kvh, d), k_cache.dtype)
+        out, _, _ = cpu.write_and_attend(q, none, none, k_cache, v_cache, jnp.full((t,), -1, jnp.int32), kv_lens,
+                                         block_tables, query_start_loc, **options)
+        return out
+    return attend
+
+
+@pytest.mark.parametrize(("platform", "kernel", "marker"), [("tpu", "tpu", "tpu_custom_call"),
+                                                            ("cuda", "gpu", "__gpu$xla.gpu.triton")])
+def test_a_runtime_window_lowers_for_its_platform(platform, kernel, marker):
+    tokens, seqs, page_size, pages, dtype = EXPORT_SHAPES[0]
+    h, kvh, d, max_pages = 32, 8, 128, 128
+    args = [jax.ShapeDtypeStruct((tokens, h, d), dtype),
+            jax.ShapeDtypeStruct((kvh, pages, page_size, d), dtype),
+            jax.ShapeDtypeStruct((kvh, pages, page_size, d), dtype),
+            jax.ShapeDtypeStruct((seqs,), jnp.int32), jax.ShapeDtypeStruct((seqs, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
+    fn = jax.jit(lambda *a: KERNELS[kernel](*a[:6], sm_scale=d ** -0.5, sliding_window=a[6]))
+    exported = export.export(fn, platforms=[platform],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call(marker)])(*args)
+    assert marker in exported.mlir_module()
