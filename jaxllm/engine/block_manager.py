@@ -149,6 +149,27 @@ class BlockManager:
                 self.hash_of_page[page] = h
                 self.key_of_page[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens, images)
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keeps only the pages `num_tokens` tokens need (tokens past them were rejected: speculation) and
+        forgets the prefix-cache entries of seq's pages that are no longer full of those tokens, so a page
+        whose KV is about to be rewritten is never served by its old hash. Pages past the prefix are seq's own
+        (a shared page is a full prompt page, and a rollback never reaches into the prompt's cached part)."""
+        full = num_tokens // self.page_size
+        for i in range(full, len(seq.page_hashes)):
+            page, h = seq.block_table[i], seq.page_hashes[i]
+            if self.hash_of_page.get(page) == h:
+                del self.hash_of_page[page]
+                self.key_of_page.pop(page, None)
+                if self.page_of_hash.get(h) == page:
+                    del self.page_of_hash[h]
+        del seq.page_hashes[full:]
+        keep = self.pages_needed(num_tokens)
+        for page in reversed(seq.block_table[keep:]):
+            self.ref_counts[page] -= 1
+            if self.ref_counts[page] == 0:
+                self.free[page] = None
+        del seq.block_table[keep:]
+
     def release(self, seq: Sequence) -> None:
         # Later pages first: the end of a prefix is the least likely to be reused, so it goes out first.
         for page in reversed(seq.block_table):

@@ -248,20 +248,23 @@ class LLMEngine:
         return list(touched.values())
 
     def _append_token(self, seq: Sequence, result: StepResult, i: int) -> None:
-        token = int(result.tokens[i])
-        seq.token_ids.append(token)
-        self.generation_tokens_total += 1
-        if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
-            k = seq.params.logprobs
-            logprob = float(result.logprobs[i])
-            seq.cumulative_logprob += logprob
-            entry = {token: Logprob(logprob, int(result.ranks[i]), self._token_text(token))}
-            for rank, (tid, lp) in enumerate(zip(result.top_ids[i][:k], result.top_logprobs[i][:k], strict=True), 1):
-                entry.setdefault(int(tid), Logprob(float(lp), rank, self._token_text(int(tid))))
-            seq.logprobs.append(entry)
-        stop_str = seq.detokenizer.add_token(token)
-        if (stop := check_stop(seq, token, stop_str, self.eos_token_ids, self.max_model_len)) is not None:
-            self.scheduler.finish(seq, *stop)
+        """Appends the row's tokens in order; one that stops the sequence drops those after it."""
+        for j, token in enumerate(result.tokens[i]):
+            seq.token_ids.append(token)
+            self.generation_tokens_total += 1
+            if seq.logprobs is not None:  # computed only when asked for (as in vLLM)
+                k = seq.params.logprobs
+                logprob = float(result.logprobs[i, j])
+                seq.cumulative_logprob += logprob
+                entry = {token: Logprob(logprob, int(result.ranks[i, j]), self._token_text(token))}
+                for rank, (tid, lp) in enumerate(zip(result.top_ids[i, j, :k], result.top_logprobs[i, j, :k],
+                                                     strict=True), 1):
+                    entry.setdefault(int(tid), Logprob(float(lp), rank, self._token_text(int(tid))))
+                seq.logprobs.append(entry)
+            stop_str = seq.detokenizer.add_token(token)
+            if (stop := check_stop(seq, token, stop_str, self.eos_token_ids, self.max_model_len)) is not None:
+                self.scheduler.finish(seq, *stop)
+                return
 
     def _fail_request(self, request: Request, error: Exception) -> None:
         logger.exception("request %s failed; the other requests go on", request.request_id, exc_info=error)

@@ -60,12 +60,12 @@ class PendingStep:
 
 @dataclasses.dataclass
 class StepResult:
-    seqs: list[Sequence]  # sequences that received a token, in order
-    tokens: np.ndarray  # [n]
-    logprobs: np.ndarray  # [n]
-    ranks: np.ndarray  # [n] i32: the sampled token's rank (1: the likeliest)
-    top_ids: np.ndarray  # [n, 20]
-    top_logprobs: np.ndarray  # [n, 20]
+    seqs: list[Sequence]  # sequences that received tokens, in order
+    tokens: list[list[int]]  # per sequence, the tokens it gets (one per step without speculation)
+    logprobs: np.ndarray  # [n, K]: per sequence and sample position
+    ranks: np.ndarray  # [n, K] i32: the sampled token's rank (1: the likeliest)
+    top_ids: np.ndarray  # [n, K, 20]
+    top_logprobs: np.ndarray  # [n, K, 20]
     # Steps with pooling requests: ([len(step.seqs), 3, E] first, last, summed hidden state; [len(step.seqs), labels])
     pooled: tuple[np.ndarray, np.ndarray] | None = None
     # Steps that score prompt tokens: ([T, prompt_logprobs.width] packed rows, the spans they belong to)
@@ -229,7 +229,7 @@ class ModelRunner:
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step and reads back what the host needs of it."""
         out, pooled, classified, _, prompt = pending.outputs
-        tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out))
+        tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out), self.inputs.sample_positions)
         seqs = pending.step.seqs
         if any(q.pooled is not None for q in seqs):
             pooled = (np.asarray(pooled)[:len(seqs)], np.asarray(classified)[:len(seqs)])
@@ -239,7 +239,8 @@ class ModelRunner:
             self._watchdog.finished()
         n = len(pending.rows)
         scored = (np.asarray(prompt), pending.spans) if pending.spans else None
-        return StepResult(pending.rows, tokens[:n], logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled,
+        accepted = [[int(t)] for t in tokens[:n, 0]]  # no drafts to verify: each sequence its first sample
+        return StepResult(pending.rows, accepted, logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled,
                           scored)
 
     def run_inputs(self, bucket: tuple[int, int], inputs: StepInputs, wait: bool = False) -> list[jax.Array]:

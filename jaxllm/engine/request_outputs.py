@@ -24,14 +24,14 @@ def generation_output(request: Request) -> RequestOutput | None:
 
 
 def _choice(s: Sequence, delta: bool) -> CompletionOutput:
-    e = s.emitted
-    chars, tokens = s.detokenizer.visible_length(s.finished), s.num_output_tokens
     logprobs = s.logprobs
     if delta:
+        e = s.emitted
         text = s.detokenizer.visible_text(s.finished, e.chars)
         token_ids = s.token_ids[s.num_prompt_tokens + e.tokens:]
         logprobs = None if logprobs is None else logprobs[e.logprobs:]
-        e.chars, e.tokens, e.logprobs = chars, tokens, 0 if s.logprobs is None else len(s.logprobs)
+        e.chars, e.tokens = e.chars + len(text), s.num_output_tokens
+        e.logprobs = 0 if s.logprobs is None else len(s.logprobs)
     else:
         text, token_ids = s.detokenizer.visible_text(s.finished), s.output_token_ids
     return CompletionOutput(index=s.index, text=text, token_ids=token_ids,

@@ -181,6 +181,14 @@ class Scheduler:
             self.bm.cache_full_pages(seq)
         return starts
 
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Takes seq's progress back to `num_computed` tokens (tokens computed past them were rejected: a
+        speculative step's drafts) and frees the pages past them; the caller drops the rejected tokens."""
+        if not seq.num_cached_tokens <= num_computed <= seq.num_computed_tokens:
+            raise ValueError(f"cannot roll {seq} back to {num_computed} tokens")
+        seq.num_computed_tokens = num_computed
+        self.bm.truncate(seq, num_computed)
+
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """The one way a sequence ends (a stop rule, a length, an abort, an error): records why, removes it from
         the queues and frees its pages."""

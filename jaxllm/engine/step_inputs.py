@@ -21,7 +21,9 @@ class StepInputs:
     ids: jax.Array  # [T] i32 (a step dispatched ahead: the previous step's tokens, on the device)
     positions: jax.Array  # [T] i32; [3, T] with M-RoPE
     meta: AttentionMetadata
-    logit_rows: jax.Array  # [S] i32: the rows that get a token (the last of each sequence's chunk that ends it)
+    # [S, K] i32: each sequence's rows that get a token: K sample positions (1 + its speculative tokens; a plain
+    # step samples one, after the last token of a chunk that reaches the sequence's end)
+    logit_rows: jax.Array
     sampling: SamplingTensors
     prompt_targets: jax.Array  # [T] i32: each row's next prompt token to score (-1: none)
     images: jax.Array | None = None  # [levels, T, E]: image embeddings in place of image tokens (VL models)
@@ -36,9 +38,10 @@ class BuiltInputs:
 
 class StepInputBuilder:
     def __init__(self, *, buckets: list[tuple[int, int]], page_size: int, max_model_len: int,
-                 sampling: SamplingInputs, images: tuple[int, int, object] | None = None):
-        """images: a vision-language model's (levels, hidden size, dtype) of its image embeddings."""
-        self.page_size, self.sampling = page_size, sampling
+                 sampling: SamplingInputs, images: tuple[int, int, object] | None = None, sample_positions: int = 1):
+        """images: a vision-language model's (levels, hidden size, dtype) of its image embeddings;
+        sample_positions: K, the rows each sequence may sample (1 without speculation)."""
+        self.page_size, self.sampling, self.sample_positions = page_size, sampling, sample_positions
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.mrope = images is not None
         put = jax.device_put
@@ -59,7 +62,7 @@ class StepInputBuilder:
         positions = np.zeros((3, t) if self.mrope else t, np.int32)
         images = None
         rows: list[Sequence] = []
-        logit_rows = np.zeros(s, np.int32)
+        logit_rows = np.zeros((s, self.sample_positions), np.int32)
         at = 0
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             start = seq.num_computed_tokens + ahead
@@ -77,7 +80,7 @@ class StepInputBuilder:
                 positions[..., at:at + n] = np.arange(start, start + n)
             at += n
             if start + n == seq.num_tokens + ahead and seq.pooled is None:  # the chunk reaches the end: sample
-                logit_rows[len(rows)] = at - 1
+                logit_rows[len(rows), :] = at - 1
                 rows.append(seq)
         meta = AttentionMetadata.build(
             query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + ahead + n for q, n in

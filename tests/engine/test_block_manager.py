@@ -102,3 +102,30 @@ def test_cache_salt_separates_tenants():
     assert bm.cached_prefix(salted("a2", prompt, "tenant-a").seqs[0]) != []  # same tenant: shared
     assert bm.cached_prefix(salted("b", prompt, "tenant-b").seqs[0]) == []  # other tenant: nothing
     assert bm.cached_prefix(make_request("unsalted", prompt).seqs[0]) == []  # no salt: nothing either
+
+
+def test_a_rollback_frees_the_rejected_pages_and_their_prefix_cache_entries():
+    """Speculation computes draft tokens and may reject them: rolled back, the sequence keeps only the pages its
+    accepted tokens need, and no page holding a rejected token stays findable by its hash (its KV is rewritten
+    by the next tokens)."""
+    bm = BlockManager(32, PAGE)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=64)
+    prompt = list(range(1, 11))  # 10 tokens: 2 full pages of 4 and 2 more
+    seq = admit_and_compute(sched, bm, make_request("a", prompt, max_tokens=50))
+    drafts = [91, 92, 93, 94, 95, 96]
+    seq.token_ids.extend(drafts)  # what a draft model proposed: computed by the next (verification) step
+    step = sched.schedule()
+    assert step.seqs == [seq] and step.num_new_tokens == [len(drafts) + 1]
+    sched.update_from_output(step)
+    assert seq.num_computed_tokens == 17 and len(seq.page_hashes) == 4  # pages 2 and 3 hold drafts, hashed
+    free_before = bm.num_free_pages
+    probe = make_request("b", prompt + [7] + drafts + [0] * 4).seqs[0]  # the drafts as another prompt's
+    assert len(bm.cached_prefix(probe)) == 4  # pages 0-3 (page 3: drafts 92-95) are cached
+    # The verifier accepted one draft: progress back to 12 tokens (prompt, the sampled token 7, draft 91).
+    sched.rollback(seq, 12)
+    del seq.token_ids[12:]
+    assert seq.num_computed_tokens == 12 and len(seq.block_table) == 3 and len(seq.page_hashes) == 3
+    assert bm.num_free_pages == free_before + 2
+    assert len(bm.cached_prefix(probe)) == 3  # page 2 (9, 10, 7, 91) was accepted; page 3 is forgotten
+    with pytest.raises(ValueError):
+        sched.rollback(seq, 13)  # forward is not a rollback

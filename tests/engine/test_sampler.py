@@ -177,3 +177,22 @@ def test_a_token_mask_is_applied_before_sampling_and_logprobs(temperature):
     assert all(lp == -np.inf for tid, lp in row0.items() if tid not in (3, 40))
     free = sample(logits[2:], tensors(1, temperature=temperature, seeds=[0], steps=[2]))
     assert int(tokens[2]) == int(free[0][0])  # an all-ones row is untouched
+
+
+def test_several_sample_positions_draw_as_the_following_steps_would():
+    """A step that samples K positions per sequence (speculation's verification) gives position j the key of the
+    sequence's token index + j: the same draw as the j-th next one-position step from the same logits."""
+    from jaxllm.engine.step_function import per_position
+
+    rows, k, vocab = 3, 4, 64
+    logits = jax.random.normal(jax.random.key(0), (rows, vocab)) * 3
+    t = tensors(rows, temperature=0.8, seeds=[11, 12, 13], steps=[5, 0, 9])
+    wide = per_position(t, rows, k)
+    assert wide.temperature.shape == (rows * k,) and wide.any_random.shape == ()
+    np.testing.assert_array_equal(np.asarray(wide.steps).reshape(rows, k), [[5, 6, 7, 8], [0, 1, 2, 3],
+                                                                           [9, 10, 11, 12]])
+    got = np.asarray(sample(jnp.repeat(logits, k, axis=0), wide)[0]).reshape(rows, k)
+    for j in range(k):
+        one = tensors(rows, temperature=0.8, seeds=[11, 12, 13], steps=[5 + j, j, 9 + j])
+        np.testing.assert_array_equal(got[:, j], np.asarray(sample(logits, one)[0]))
+    assert len(set(got.reshape(-1).tolist())) > rows  # the positions do draw differently
