@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 import re
 import time
 import uuid
@@ -17,6 +16,7 @@ from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.environment import Environment
 from server import admin_routes, openai_routes, pooling_routes
 from server.errors import APIError, error_response
 from server.generation import ClientGone
@@ -126,7 +126,7 @@ def __getattr__(name: str):
                 handler = logging.StreamHandler()
                 handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
                 root.addHandler(handler)
-                root.setLevel(os.environ.get("JAXLLM_LOG_LEVEL", "info").upper())
+                root.setLevel(Environment.read().log_level.upper())
                 root.propagate = False
             _app = create_app(ServerSettings.from_env())
         return _app

@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 
-DEFAULT_ADDRESS = "tcp://127.0.0.1:5555"
+from jaxllm.environment import Environment
 
 
 def rank_addresses(address: str, size: int) -> list[str]:
@@ -66,9 +66,10 @@ def place_rank(rank: int, size: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--address", default=os.environ.get("JAXLLM_ENGINE_BIND", DEFAULT_ADDRESS),
+    env = Environment.read()
+    p.add_argument("--address", default=env.engine_bind,
                    help="ZeroMQ address to listen on (tcp://host:port or ipc:///path; default %(default)s)")
-    p.add_argument("--data-parallel-size", type=int, default=int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", 1)))
+    p.add_argument("--data-parallel-size", type=int, default=env.data_parallel_size)
     p.add_argument("--data-parallel-rank", type=int, help="run this one rank (what the supervisor starts)")
     p.add_argument("--headless", action="store_true", help="accepted for vLLM-style command lines (always headless)")
     p.add_argument("--num-hosts", type=int, help="multi-host: hosts the model spans (JAXLLM_NUM_HOSTS)")
@@ -78,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("num_hosts", "host_rank", "coordinator_address"):
         if getattr(args, name) is not None:
             os.environ[f"JAXLLM_{name.upper()}"] = str(getattr(args, name))
-    logging.basicConfig(level=os.environ.get("JAXLLM_LOG_LEVEL", "info").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if int(os.environ.get("JAXLLM_HOST_RANK") or 0) > 0:
+    env = Environment.read()  # with what the flags set
+    logging.basicConfig(level=env.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if env.host_rank > 0:
         return follow()
-    secret = os.environ.get("JAXLLM_ENGINE_SECRET")
+    secret = env.engine_secret
     if not secret:
         p.error("set JAXLLM_ENGINE_SECRET: API servers prove they know it")
     if args.data_parallel_size < 1:
         p.error("--data-parallel-size must be >= 1")
-    if args.data_parallel_size > 1 and int(os.environ.get("JAXLLM_NUM_HOSTS") or 1) > 1:
+    if args.data_parallel_size > 1 and env.num_hosts > 1:
         p.error("data parallelism over several hosts' engine cores is not supported yet")
     if args.data_parallel_size > 1 and args.data_parallel_rank is None:  # supervise one process per rank
         from server.core_supervisor import CoreSupervisor

@@ -19,32 +19,24 @@ No preload: JAX must not start in the master (it never imports it).
 
 import os
 
-bind = os.environ.get("JAXLLM_BIND", "0.0.0.0:8000")
-api_servers = int(os.environ.get("JAXLLM_API_SERVERS", "1"))
-if api_servers < 1:
-    raise ValueError(f"JAXLLM_API_SERVERS={api_servers}: at least 1")
-data_parallel_size = int(os.environ.get("JAXLLM_DATA_PARALLEL_SIZE", "1"))
-if data_parallel_size < 1:
-    raise ValueError(f"JAXLLM_DATA_PARALLEL_SIZE={data_parallel_size}: at least 1")
-num_hosts = int(os.environ.get("JAXLLM_NUM_HOSTS") or 1)
-remote_engine = bool(os.environ.get("JAXLLM_ENGINE_ADDRESS"))
-# This master runs the cores. Multi-host too: the job ends every process when a host fails, so the engine
-# (rank 0) must not live in the API worker, which keeps answering (503) until the core is back.
-engine_process = (api_servers > 1 or data_parallel_size > 1 or num_hosts > 1) and not remote_engine
-if num_hosts > 1 and data_parallel_size > 1:
-    raise ValueError("JAXLLM_NUM_HOSTS > 1 with JAXLLM_DATA_PARALLEL_SIZE > 1 is not supported yet")
-workers = api_servers
+from jaxllm.environment import Environment
+
+_env = Environment.read()
+bind = _env.bind
+data_parallel_size = _env.data_parallel_size
+engine_process = _env.engine_process  # this master runs the engine cores
+workers = _env.api_servers
 worker_class = "gevent"
 worker_connections = 1000
 # Loading the model and compiling every bucket happens before the worker (or the engine core) serves.
-timeout = int(os.environ.get("JAXLLM_WORKER_TIMEOUT", 600))
-graceful_timeout = int(float(os.environ.get("JAXLLM_DRAIN_TIMEOUT", 30))) + 5
+timeout = _env.worker_timeout_s
+graceful_timeout = int(_env.drain_timeout_s) + 5
 keepalive = 5
 accesslog = None  # the app logs one line per request with token counts
-loglevel = os.environ.get("JAXLLM_LOG_LEVEL", "info")
+loglevel = _env.log_level
 # TLS: gunicorn terminates it itself when both files are given.
-certfile = os.environ.get("JAXLLM_SSL_CERTFILE") or None
-keyfile = os.environ.get("JAXLLM_SSL_KEYFILE") or None
+certfile = _env.ssl_certfile
+keyfile = _env.ssl_keyfile
 _core = None
 
 

@@ -34,6 +34,7 @@ import os
 from pathlib import Path
 
 from jaxllm.engine.config import EngineConfig, default_preset
+from jaxllm.environment import Environment
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
@@ -77,6 +78,7 @@ class ServerSettings:
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
         env = dict(os.environ if env is None else env)
+        process = Environment.read(env)  # the process settings: `jaxllm.environment`
         overrides = {}
         for name, kind in _ENGINE_ENV.items():
             value = env.get(f"JAXLLM_{name.upper()}")
@@ -93,14 +95,13 @@ class ServerSettings:
             raise ValueError(f"JAXLLM_REASONING_PARSER={reasoning!r}: known parsers are {sorted(REASONING_PARSERS)}")
         return cls(engine=engine, api_key=env.get("JAXLLM_API_KEY") or None,
                    max_body_bytes=int(env.get("JAXLLM_MAX_BODY_BYTES", 10 * 2**20)),
-                   drain_timeout_s=float(env.get("JAXLLM_DRAIN_TIMEOUT", 30)),
+                   drain_timeout_s=process.drain_timeout_s,
                    allowed_origins=tuple(o.strip() for o in env.get("JAXLLM_ALLOWED_ORIGINS", "").split(",")
                                          if o.strip()),
                    chat_template=Path(template_path).read_text() if template_path else None,
                    tool_call_parser=parser, reasoning_parser=reasoning,
-                   engine_address=env.get("JAXLLM_ENGINE_ADDRESS") or None,
-                   engine_secret=env.get("JAXLLM_ENGINE_SECRET") or None,
-                   startup_timeout_s=float(env.get("JAXLLM_WORKER_TIMEOUT", 600)),
+                   engine_address=process.engine_address, engine_secret=process.engine_secret,
+                   startup_timeout_s=float(process.worker_timeout_s),
                    image_policy=_image_policy(env))
 
 

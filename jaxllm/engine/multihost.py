@@ -33,12 +33,14 @@ import numpy as np
 import zmq
 
 from jaxllm.config import ConfigError
+from jaxllm.environment import Environment
 
 logger = logging.getLogger("jaxllm.multihost")
 
-HEARTBEAT_TIMEOUT_S = int(os.environ.get("JAXLLM_HEARTBEAT_TIMEOUT", 10))
-INIT_TIMEOUT_S = int(os.environ.get("JAXLLM_MULTIHOST_INIT_TIMEOUT", 300))
-STEP_TIMEOUT_S = float(os.environ.get("JAXLLM_STEP_TIMEOUT", 60))
+_ENV = Environment.read()
+HEARTBEAT_TIMEOUT_S = _ENV.heartbeat_timeout_s
+INIT_TIMEOUT_S = _ENV.multihost_init_timeout_s
+STEP_TIMEOUT_S = _ENV.step_timeout_s
 _ENCODER, _DECODER = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder()
 
 

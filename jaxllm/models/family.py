@@ -46,7 +46,11 @@ class FamilySpec:
     permuted_qk_in_gguf: bool = False  # llama.cpp reorders q/k rows for interleaved RoPE
     # config.json -> ModelConfig (default: `llama_config`, reading the flags above)
     config_reader: Callable[[dict[str, Any], FamilySpec], ModelConfig] | None = None
-    model: Callable | None = None  # ModelConfig -> model class (default: LlamaForCausalLM)
+    model: Callable | None = None  # the model class (default: LlamaForCausalLM)
+    # The decoder layer's parts (default: `jaxllm.models.attention.Attention`, `jaxllm.models.llama.MLP`): each
+    # built as factory(cfg, dtype=, rngs=, quant=), e.g. an MLP of experts for a mixture-of-experts family.
+    attention: Callable | None = None
+    mlp: Callable | None = None
     gguf_layer_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     gguf_top_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_GGUF_TOP_NAMES)
     fused: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=lambda: LLAMA_FUSED)

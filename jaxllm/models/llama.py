@@ -61,11 +61,15 @@ def activate(x: jax.Array, activation: str) -> jax.Array:
 
 
 class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quant: QuantPlan | None = None):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs, quant: QuantPlan | None = None,
+                 attention: type[nnx.Module] = Attention, mlp: type[nnx.Module] = MLP):
+        """attention, mlp: the family's factories (`FamilySpec.attention`, `.mlp`), each built as
+        ``factory(cfg, dtype=, rngs=, quant=)``; the attention module's ``paged``/``dense`` and the MLP's call are
+        what the layer runs."""
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.self_attn = Attention(cfg, dtype=dtype, rngs=rngs, quant=quant)
+        self.self_attn = attention(cfg, dtype=dtype, rngs=rngs, quant=quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(cfg, dtype=dtype, rngs=rngs, quant=quant)
+        self.mlp = mlp(cfg, dtype=dtype, rngs=rngs, quant=quant)
 
     def __call__(self, x, attend):
         h, extra = attend(self.self_attn, self.input_layernorm(x))
@@ -91,7 +95,8 @@ class LlamaForCausalLM(nnx.Module):
         self.quantization = tuple(sorted(quant.items()))  # static (hashable): part of the graph definition
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
                                   quant=quant.get("embed_tokens"))
-        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant=quant)
+        parts = _family_parts(cfg)
+        self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant=quant, **parts)
                                 for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
@@ -263,6 +268,15 @@ class LlamaForCausalLM(nnx.Module):
 
         x, kv_cache = self._run_layers(run, x, kv_cache)
         return self.norm(x), kv_cache
+
+
+def _family_parts(cfg: ModelConfig) -> dict:
+    """The layer factories of cfg's family (Llama's for an architecture no family registered: a config a caller
+    built by hand)."""
+    from jaxllm.models.registry import ARCHITECTURES
+
+    spec = ARCHITECTURES.get(cfg.architecture)
+    return {} if spec is None else {k: v for k, v in (("attention", spec.attention), ("mlp", spec.mlp)) if v}
 
 
 def _add_deepstack(x: jax.Array, deepstack: jax.Array | None, index) -> jax.Array:

@@ -4,7 +4,9 @@ have their own tables: `jaxllm.models.encoder`, `jaxllm.models.qwen_vl`.)"""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+from collections.abc import Iterator
 
 from jaxllm.models.family import FamilySpec
 
@@ -24,6 +26,16 @@ def register(spec: FamilySpec) -> FamilySpec:
         raise ValueError(f"{spec.architecture} is registered already, as another family")
     ARCHITECTURES[spec.architecture] = spec
     return spec
+
+
+@contextlib.contextmanager
+def registered(spec: FamilySpec) -> Iterator[FamilySpec]:
+    """The family registered for a while (a test's own)."""
+    register(spec)
+    try:
+        yield spec
+    finally:
+        ARCHITECTURES.pop(spec.architecture, None)
 
 
 for _name in FAMILIES:

@@ -16,6 +16,12 @@ from tests.paged_driver import PagedRunner
 LENGTHS = [13, 6, 11]  # past the window of 4, in one ragged batch
 
 
+@pytest.fixture(scope="module", autouse=True)
+def the_family():
+    with registry.registered(family.SPEC):
+        yield
+
+
 @pytest.fixture(scope="module")
 def windowed_folder(tmp_path_factory):
     import torch
@@ -85,3 +91,23 @@ def test_the_dense_path_matches_transformers_and_the_windows_matter(windowed_fol
     whole = np.asarray(lm.model(jnp.asarray(seqs)))[0]
     np.testing.assert_allclose(whole[:4], want[:4], atol=1e-4, rtol=0)  # within the window: the same
     assert np.abs(whole[4:] - want[4:]).max() > 1e-2  # past it: the windows changed the numbers
+
+
+def test_a_family_builds_its_layers_from_its_factories():
+    from flax import nnx
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.family import FamilySpec
+    from jaxllm.models.llama import MLP, LlamaForCausalLM
+
+    class ScaledMLP(MLP):  # e.g. a mixture of experts would stand here
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
+    with registry.registered(FamilySpec("JaxllmScaledMlpForCausalLM", mlp=ScaledMLP)):
+        cfg = ModelConfig("JaxllmScaledMlpForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8)
+        model = LlamaForCausalLM(cfg, rngs=nnx.Rngs(0), attn_impl="reference")
+    assert all(type(layer.mlp) is ScaledMLP for layer in model.layers)
+    x = np.ones((1, 3, 32), np.float32)
+    np.testing.assert_allclose(model.layers[0].mlp(x), 2 * MLP.__call__(model.layers[0].mlp, x), rtol=1e-6)

@@ -1,10 +1,9 @@
-"""A test-only model family, added as this one file plus one `register` line: a Qwen2-shaped decoder whose MLP
-is GeGLU (tanh GELU) and whose layers alternate between a sliding window and the whole context (the config's
-`layer_types`, as transformers' Qwen2 reads it). Everything else (loading, fusions, the engine, the kernels) comes
-from the spec's defaults."""
+"""A test-only model family, added as this one file plus one registry line (`registry.register(SPEC)`; the tests
+that use it register it for their own duration): a Qwen2-shaped decoder whose MLP is GeGLU (tanh GELU) and whose
+layers alternate between a sliding window and the whole context (the config's `layer_types`, as transformers'
+Qwen2 reads it). Everything else (loading, fusions, the engine, the kernels) comes from the spec's defaults."""
 
 from jaxllm.models.family import FamilySpec, llama_config
-from jaxllm.models.registry import register
 
 ARCHITECTURE = "JaxllmWindowedGeluForCausalLM"
 
@@ -15,5 +14,5 @@ def read_config(hf, spec):
     return llama_config(hf, spec, sliding_window=None, layer_windows=windows)
 
 
-SPEC = register(FamilySpec(ARCHITECTURE, attention_bias_default=True, o_bias_follows_attention_bias=False,
-                           config_reader=read_config))
+SPEC = FamilySpec(ARCHITECTURE, attention_bias_default=True, o_bias_follows_attention_bias=False,
+                  config_reader=read_config)
