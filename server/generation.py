@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
 from jaxllm.errors import EngineBusyError
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from server.bridge import OutputStream
 from server.errors import APIError
@@ -44,16 +45,48 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready; its engine requests are aborted."""
 
 
+class Joined:
+    """A request's DELTA outputs added up, for an answer given whole: O(tokens) over the request."""
+
+    def __init__(self):
+        self.last: RequestOutput | None = None
+        self.prompt_logprobs = None
+        self.choices: dict[int, tuple[list[str], list[int], list | None, CompletionOutput]] = {}
+
+    def add(self, out: RequestOutput | PoolingRequestOutput) -> None:
+        if isinstance(out, PoolingRequestOutput):  # one output, when pooled
+            self.last = out
+            return
+        if self.last is None:
+            self.prompt_logprobs = out.prompt_logprobs  # (a DELTA stream sends them with its first output)
+        self.last = out
+        for c in out.outputs:
+            text, ids, logprobs, _ = self.choices.setdefault(c.index, ([], [], None if c.logprobs is None else [], c))
+            text.append(c.text)
+            ids += c.token_ids
+            if logprobs is not None:
+                logprobs += c.logprobs
+            self.choices[c.index] = (text, ids, logprobs, c)
+
+    def output(self) -> RequestOutput | PoolingRequestOutput:
+        if isinstance(self.last, PoolingRequestOutput):
+            return self.last
+        outputs = [dataclasses.replace(c, text="".join(text), token_ids=ids, logprobs=logprobs)
+                   for text, ids, logprobs, c in (self.choices[i] for i in sorted(self.choices))]
+        return dataclasses.replace(self.last, outputs=outputs, prompt_logprobs=self.prompt_logprobs)
+
+
 class Generation:
-    """The engine requests behind one HTTP request (one per prompt, each already `engine.prepare_prompt`d). Their
-    params ask for DELTA outputs when the response streams (each carries what is new: a stream costs O(tokens))
-    and for FINAL_ONLY ones otherwise (one whole output per prompt).
+    """The engine requests behind one HTTP request (one per prompt, each already `engine.prepare_prompt`d). They
+    ask for DELTA outputs (each carries what is new: a stream costs O(tokens)); an answer given whole adds them up
+    (`Joined`), and every output still marks the time to first token and between tokens.
 
     Engine request ids are generated here, never taken from the client (an `X-Request-Id` a client chose could
     name another client's request, to abort it or to collide with it)."""
 
-    def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]], params: SamplingParams, *,
-                 stream: bool, cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
+    def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]],
+                 params: SamplingParams | PoolingParams, *,
+                 cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
         if not state.loop.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
         if len(prompts) * params.n > state.capacity:
@@ -65,9 +98,9 @@ class Generation:
         self.client_gone = client_gone
         base = uuid.uuid4().hex
         self.ids = [f"{base}-{i}" for i in range(len(prompts))]
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA if stream else
-                                     RequestOutputKind.FINAL_ONLY)
-        self.latest: dict[str, RequestOutput] = {}  # each request's latest output (not streaming: its whole one)
+        if isinstance(params, SamplingParams):
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        self.joined: dict[str, Joined] = {}  # each request's outputs so far, added up by `wait`
         self.finished: set[str] = set()
         self.prompt_tokens = self.completion_tokens = 0
         self.stream = OutputStream()
@@ -120,22 +153,24 @@ class Generation:
             elif last is not None:
                 metrics.itl.observe(now - last)
             last = now
-            if item.request_id not in self.latest:
+            if item.request_id not in self.joined:
                 self.prompt_tokens += len(item.prompt_token_ids)
-            self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
+                self.joined[item.request_id] = Joined()
+            if isinstance(item, RequestOutput):
+                self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
             if item.finished:
                 self.finished.add(item.request_id)
-            self.latest[item.request_id] = item
             yield item
         self.finish()
 
     def wait(self) -> list[RequestOutput]:
+        """Each prompt's whole output, once every one finished."""
         try:
-            for _ in self.updates():
-                pass
+            for out in self.updates():
+                self.joined[out.request_id].add(out)
         finally:
             self.finish()
-        return [self.latest[i] for i in self.ids]
+        return [self.joined[i].output() for i in self.ids]
 
     def finish(self) -> None:
         """Releases the request's slot; aborts the engine requests if they are still running."""

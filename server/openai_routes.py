@@ -15,6 +15,7 @@ from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.multimodal.chat import chat_images, has_images
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.reasoning import reasoning_parser
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.tokenizer.chat_template import ChatTemplateError
@@ -45,10 +46,10 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
         raise invalid(e) from None
 
 
-def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: str | None, *, stream: bool,
+def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams, cache_salt: str | None,
           prompt_param: str = "prompt", images: list | None = None) -> Generation:
-    """Validates and tokenizes the prompts off the hub thread, then hands them to the engine. images: a single
-    prompt's images (decoded), preprocessed there too; stream: the outputs are deltas (`Generation`)."""
+    """Validates and tokenizes the prompts (or a pooling request's inputs) off the hub thread, then hands them to
+    the engine. images: a single prompt's images (decoded), preprocessed there too."""
     frontend = state().frontend
     try:
         prepared = [offload(len(p) if isinstance(p, str) else 0, frontend.prepare_prompt, p, params, cache_salt,
@@ -60,8 +61,7 @@ def start(prompts: list[str | list[int]], params: SamplingParams, cache_salt: st
             e.param = prompt_param
         raise invalid(e) from None
     environ = request.environ
-    return Generation(state(), prepared, params, stream=stream, cache_salt=cache_salt,
-                      client_gone=lambda: client_gone(environ))
+    return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
 
 
 def chat_prompt_ids(frontend: Frontend, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
@@ -157,7 +157,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
 def completions():
     req = parse(CompletionRequest)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    gen = start(req.prompts(), params, req.cache_salt, stream=req.stream)
+    gen = start(req.prompts(), params, req.cache_salt)
     created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
     tok = state().frontend.tokenizer
 
@@ -273,7 +273,7 @@ def chat_completions():
         raise APIError(400, str(e), param="messages") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    gen = start([ids], params, req.cache_salt, stream=req.stream, prompt_param="messages", images=images)
+    gen = start([ids], params, req.cache_salt, prompt_param="messages", images=images)
     created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:
