@@ -18,7 +18,7 @@ def __getattr__(name: str):
         import server.app
 
         _app = server.app.app
-        runner = _app.extensions["jaxllm"].engine.runner
+        runner = _app.extensions["jaxllm"].loop.engine.runner  # the in-process engine (`EngineLoop.engine`)
         dispatch = runner.dispatch
 
         def failing_dispatch(step, bucket=None, after=None):
