@@ -35,8 +35,9 @@ from numba.extending import intrinsic
 def drop_stale_cache(module_file: str) -> None:
     """Call at the top of a module whose numba functions use this one, before they are defined. numba's on-disk
     cache checks only the source file of each function, not the files it calls into: after an edit of this
-    file, a kernel module's cached machine code would still hold the old plumbing (offsets, layouts). Its cached
-    files in ``__pycache__`` are deleted when this file's source changed since they were written."""
+    file (or of another kernel file whose IR a kernel inlines), a kernel module's cached machine code would still
+    hold the old code. Its cached files in ``__pycache__`` are deleted when the package's source changed since
+    they were written (`_package_hash`)."""
     cache_dir = os.path.join(os.path.dirname(module_file), "__pycache__")
     stem = os.path.splitext(os.path.basename(module_file))[0]
     stamp_path = os.path.join(cache_dir, f"{stem}.cpu_ffi.stamp")
@@ -56,8 +57,21 @@ def drop_stale_cache(module_file: str) -> None:
         pass
 
 
-with open(__file__, "rb") as _f:
-    _SOURCE_HASH = hashlib.sha256(_f.read() + numba.__version__.encode()).hexdigest()
+def _package_hash() -> str:
+    """Every source file of the kernels' package (and numba's version): the code a kernel's machine code may come
+    from. A kernel's loops close over intrinsics whose LLVM IR other files generate (`stable_key` ids them by their
+    parameters, not their code), so an edit anywhere in the package must drop every kernel's cache, not only an
+    edit of this file (a development checkout once ran a stale int8 kernel this way)."""
+    h = hashlib.sha256(numba.__version__.encode())
+    root = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+        h.update(os.path.relpath(path, root).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
+
+
+_SOURCE_HASH = _package_hash()
 
 
 def _load(bits: int):
