@@ -43,6 +43,5 @@ def pooling_output(request: Request) -> PoolingRequestOutput:
     seq = request.seqs[0]
     done = seq.finish_reason == "stop"
     data = PoolingOutput(seq.pooled.result(seq.num_tokens, request.params)) if done else None
-    request.num_outputs += 1
     return PoolingRequestOutput(request.request_id, request.prompt, request.prompt_token_ids, data,
                                 request.finished, error=request.error, num_cached_tokens=seq.num_cached_tokens)

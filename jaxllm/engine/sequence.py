@@ -93,7 +93,7 @@ class Request:
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
         self.error: str | None = None  # set when handling this request raised; it then ends
-        self.num_outputs = 0  # outputs handed to on_output so far (written by `request_outputs`)
+        self.num_outputs = 0  # generation outputs built so far (written by `request_outputs`: DELTA's first)
         # vLLM's prompt_logprobs: entry i scores prompt token i given those before it (entry 0: None), filled as
         # the prompt is prefilled (`engine.prompt_logprobs`)
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = \
