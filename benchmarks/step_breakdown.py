@@ -62,7 +62,7 @@ def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float]) -> 
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
-        if args.get("hlo_module") == "jit__step" and "run_id" in args:
+        if args.get("hlo_module") == "jit_step_function" and "run_id" in args:
             runs[args["run_id"]].append(e)
     per_run = []
     for ops in runs.values():

@@ -57,6 +57,7 @@ _ENGINE_ENV = {
     "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
     "async_scheduling": _flag, "enable_prefix_caching": _flag, "seed": int, "page_size": int,
     "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,
+    "speculative_config": str,
 }
 
 

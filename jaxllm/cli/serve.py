@@ -100,6 +100,8 @@ FLAGS = [
          "prefixes (default on)", None, _bool),
     Flag(("--async-scheduling",), "JAXLLM_ASYNC_SCHEDULING", "engine", "dispatch a decode step before the "
          "previous one's tokens are read back (default on)", None, _bool),
+    Flag(("--speculative-config",), "JAXLLM_SPECULATIVE_CONFIG", "engine", 'speculative decoding, as JSON: '
+         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
     Flag(("--limit-mm-per-prompt",), "JAXLLM_LIMIT_MM_PER_PROMPT", "engine", 'images per prompt: N or {"image": N}',
          _json_or(int, "image")),
     Flag(("--tensor-parallel-size", "-tp"), "JAXLLM_TENSOR_PARALLEL_SIZE", "parallel", "devices one model spans",

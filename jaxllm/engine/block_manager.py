@@ -135,7 +135,8 @@ class BlockManager:
         """Registers the hashes of seq's pages that became full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        full = seq.num_computed_tokens // self.page_size
+        # (accepted drafts are computed before the sequence's tokens hold them: their pages wait for the next step)
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.page_size
         salt = seq.request.cache_salt
         for i in range(len(seq.page_hashes), full):
             prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)

@@ -14,6 +14,7 @@ from jaxllm.config import ConfigError
 from jaxllm.dtypes import KV_CACHE_DTYPES
 from jaxllm.loading.quantize import QUANTIZATIONS
 from jaxllm.pooling_params import POOLING_METHODS
+from jaxllm.speculative.config import SpeculativeConfig
 
 RUNNERS = ("auto", "generate", "pooling")
 
@@ -96,6 +97,9 @@ class EngineConfig:
     # Decode steps run one ahead: the next step is dispatched before this one's tokens are read back, so the host's
     # per-step work (outputs, stop checks, the next step's inputs) overlaps the device's (see LLMEngine.step).
     async_scheduling: bool = True
+    # Speculative decoding (`jaxllm.speculative`): a SpeculativeConfig, a dict of its fields as vLLM takes it
+    # ({"method": "ngram", "num_speculative_tokens": 4}), or their JSON; None: off.
+    speculative_config: SpeculativeConfig | None = None
     # vLLM's runner: "pooling" makes a causal model embed (last-token pooling unless `pooling` or its folder says
     # otherwise) as well as generate; "generate" refuses a model that cannot; "auto": what the model does.
     runner: str = "auto"
@@ -124,6 +128,7 @@ class EngineConfig:
             object.__setattr__(self, "token_buckets", tuple(sorted(set(self.token_buckets))))
         if self.classifier_tokens is not None:
             object.__setattr__(self, "classifier_tokens", tuple(self.classifier_tokens))
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
             (self.num_hosts >= 1, "num_hosts must be >= 1"),

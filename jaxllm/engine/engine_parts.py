@@ -25,6 +25,7 @@ from jaxllm.multimodal.inputs import MultiModalSpec
 from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, Pooling
 from jaxllm.sampling_params import RequestLimits
 from jaxllm.sharding import make_mesh
+from jaxllm.speculative import SpeculativeConfig
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
@@ -53,6 +54,7 @@ class EngineParts:
     executable_cache: ExecutableCache | None
     load_s: float
     checkpoint_bytes_read: int
+    speculative: SpeculativeConfig | None = None  # the method that proposes drafts (`jaxllm.speculative`)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -97,7 +99,22 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=kv.max_model_len, max_n=config.max_n,
                            hidden_size=cfg.hidden_size, tasks=tasks)
     return EngineParts(model, tokenizer, mesh, config.served_model_name or name, eos, tasks, pooling, limits, kv,
-                       encoder, executable_cache, load_s, loaded.bytes_read if loaded is not None else 0)
+                       encoder, executable_cache, load_s, loaded.bytes_read if loaded is not None else 0,
+                       _speculative(config, model, tasks))
+
+
+def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> SpeculativeConfig | None:
+    spec = config.speculative_config
+    if spec is None:
+        return None
+    if GENERATE not in tasks:
+        raise ConfigError("speculative_config: the model does not generate (speculation drafts generated tokens)")
+    if model.multimodal:
+        raise ConfigError("speculative_config: not supported for vision-language models (their M-RoPE positions "
+                          "of drafted tokens are not built)")
+    if config.num_hosts > 1:
+        raise ConfigError("speculative_config: not supported across hosts yet")
+    return spec
 
 
 def _executable_cache(config: EngineConfig) -> ExecutableCache | None:

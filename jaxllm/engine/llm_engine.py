@@ -30,6 +30,7 @@ from jaxllm.models.protocol import Model
 from jaxllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PooledState, PoolingParams
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.speculative import Drafter
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
@@ -54,6 +55,7 @@ class LLMEngine:
                                    encoder_budget=self.mm_spec.max_image_tokens if self.mm_spec else 0)
         start = time.perf_counter()
         self.runner = ModelRunner.from_parts(parts, config.buckets())
+        self.drafter = Drafter(parts.speculative, parts.kv.max_model_len) if parts.speculative else None
         self.startup = StartupReport(load_s=parts.load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -196,6 +198,8 @@ class LLMEngine:
         if self._ahead is not None:
             pending, self._ahead = self._ahead, None
         else:
+            if self.drafter is not None:
+                self.drafter.propose(self.scheduler.running)
             step = self.scheduler.schedule()
             if not step:
                 return []
@@ -226,7 +230,10 @@ class LLMEngine:
         pooled: list[Request] = []
         if result.prompt_logprobs is not None:
             prompt_logprobs.fill(*result.prompt_logprobs, self._token_text)
-        for i, (seq, start) in enumerate(zip(step.seqs, self.scheduler.update_from_output(step), strict=True)):
+        if result.rejected is not None:
+            self.drafter.observe(step, result.rejected)
+        starts = self.scheduler.update_from_output(step, result.rejected)
+        for i, (seq, start) in enumerate(zip(step.seqs, starts, strict=True)):
             if start is not None and seq.pooled is not None:
                 seq.pooled.add_chunk(start, *result.pooled[0][i], result.pooled[1][i])
                 if seq.num_computed_tokens == seq.num_tokens:  # pooled: its pages are freed now
@@ -314,7 +321,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens_total": self.block_manager.prefix_hits,
             "images_encoded_total": cache.encoded if (cache := self.runner.encoder_cache) else 0,
             "encoder_cache_hits_total": cache.hits if cache else 0,
-        }
+        } | (self.drafter.stats.counters() if self.drafter is not None else {})
 
 
 __all__ = ["InvalidRequestError", "LLMEngine", "PromptTooLongError", "SequenceStatus"]

@@ -34,6 +34,7 @@ from jaxllm.engine.step_options import step_compiler_options
 from jaxllm.models.protocol import Model
 from jaxllm.pooling_params import GENERATE
 from jaxllm.sharding import kv_cache_sharding
+from jaxllm.speculative import verify
 from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 
 __all__ = ["BucketBuild", "ModelRunner", "PendingStep", "StepResult"]
@@ -51,6 +52,7 @@ class PendingStep:
     rows: list[Sequence]  # the sequences that get a token, in row order
     outputs: list[jax.Array]  # packed sampler output, pooled, classified, next ids, prompt logprobs
     spans: list[prompt_logprobs.Span]  # the rows that score prompt tokens
+    samples: list[tuple[int, list[int]]] | None = None  # a step with drafts: per row, its first sample row, drafts
 
     @property
     def next_ids(self) -> jax.Array:
@@ -62,7 +64,7 @@ class PendingStep:
 class StepResult:
     seqs: list[Sequence]  # sequences that received tokens, in order
     tokens: list[list[int]]  # per sequence, the tokens it gets (one per step without speculation)
-    logprobs: np.ndarray  # [n, K]: per sequence and sample position
+    logprobs: np.ndarray  # [n, K]: per sequence and sample position (K: 1 + the drafts a sequence may have)
     ranks: np.ndarray  # [n, K] i32: the sampled token's rank (1: the likeliest)
     top_ids: np.ndarray  # [n, K, 20]
     top_logprobs: np.ndarray  # [n, K, 20]
@@ -70,17 +72,21 @@ class StepResult:
     pooled: tuple[np.ndarray, np.ndarray] | None = None
     # Steps that score prompt tokens: ([T, prompt_logprobs.width] packed rows, the spans they belong to)
     prompt_logprobs: tuple[np.ndarray, list[prompt_logprobs.Span]] | None = None
+    # A step with drafts: per sequence of the step (`ScheduledStep.seqs`), its drafts the target rejected
+    rejected: list[int] | None = None
 
 
 class ModelRunner:
     def __init__(self, model: Model, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
                  executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True,
-                 pools: bool = True, encoder: EncoderRunner | None = None, encoder_cache: EncoderCache | None = None):
+                 pools: bool = True, encoder: EncoderRunner | None = None, encoder_cache: EncoderCache | None = None,
+                 num_speculative_tokens: int = 0):
         """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
         that only pools (its steps sample nothing); pools: False for a model that only generates (its steps
         compute no pooling outputs); encoder, encoder_cache: a vision-language model's image encoder, run on the
-        images a step schedules before the step, and where its outputs are kept."""
+        images a step schedules before the step, and where its outputs are kept; num_speculative_tokens: the most
+        drafts a sequence verifies in one step (0: no speculation)."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -104,7 +110,8 @@ class ModelRunner:
                                        eos_token_ids=eos_token_ids, row_buckets=[s for _, s in self.buckets])
         images = (model.visual.feature_levels, cfg.hidden_size, model.dtype) if self.multimodal else None
         self.inputs = StepInputBuilder(buckets=self.buckets, page_size=page_size, max_model_len=max_model_len,
-                                       sampling=self.sampling, images=images)
+                                       sampling=self.sampling, images=images,
+                                       sample_positions=1 + num_speculative_tokens)
         # By name: a multi-host step message refers to them, each host holding its own (jaxllm.engine.multihost).
         self.constants = self.inputs.constants
         self._treedefs: dict[tuple[int, int], object] = {}
@@ -123,7 +130,8 @@ class ModelRunner:
                    buckets=buckets, eos_token_ids=parts.eos_token_ids, mesh=parts.mesh,
                    executable_cache=parts.executable_cache, kv_cache_dtype=kv.dtype,
                    generates=GENERATE in parts.tasks, pools=parts.tasks != (GENERATE,),
-                   encoder=enc.runner if enc else None, encoder_cache=enc.cache if enc else None)
+                   encoder=enc.runner if enc else None, encoder_cache=enc.cache if enc else None,
+                   num_speculative_tokens=spec.num_speculative_tokens if (spec := parts.speculative) else 0)
 
     @property
     def caches(self) -> tuple[jax.Array, jax.Array]:
@@ -224,12 +232,12 @@ class ModelRunner:
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))
             self._watchdog.started()
-        return PendingStep(step, bucket, built.rows, self.run_inputs(bucket, inputs), built.spans)
+        return PendingStep(step, bucket, built.rows, self.run_inputs(bucket, inputs), built.spans, built.samples)
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Waits for a dispatched step and reads back what the host needs of it."""
         out, pooled, classified, _, prompt = pending.outputs
-        tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out), self.inputs.sample_positions)
+        tokens, logprobs, ranks, top_ids, top_logprobs = unpack(np.asarray(out))
         seqs = pending.step.seqs
         if any(q.pooled is not None for q in seqs):
             pooled = (np.asarray(pooled)[:len(seqs)], np.asarray(classified)[:len(seqs)])
@@ -239,9 +247,20 @@ class ModelRunner:
             self._watchdog.finished()
         n = len(pending.rows)
         scored = (np.asarray(prompt), pending.spans) if pending.spans else None
-        accepted = [[int(t)] for t in tokens[:n, 0]]  # no drafts to verify: each sequence its first sample
-        return StepResult(pending.rows, accepted, logprobs[:n], ranks[:n], top_ids[:n], top_logprobs[:n], pooled,
-                          scored)
+        if pending.samples is None:  # row i sampled once, at sample row i
+            index = np.arange(n)[:, None]
+            accepted, rejected = [[int(t)] for t in tokens[:n]], None
+        else:  # each row's samples verify its drafts (`jaxllm.speculative.verify`)
+            index = np.zeros((n, self.inputs.sample_positions), np.int64)
+            accepted, rejected_of = [], {}
+            for i, (seq, (first, drafted)) in enumerate(zip(pending.rows, pending.samples, strict=True)):
+                m = 1 + len(drafted)
+                index[i] = first + np.minimum(np.arange(index.shape[1]), m - 1)
+                accepted.append(got := verify.accepted(tokens[first:first + m], drafted))
+                rejected_of[seq.seq_id] = len(drafted) + 1 - len(got)
+            rejected = [rejected_of.get(q.seq_id, 0) for q in seqs]
+        return StepResult(pending.rows, accepted, logprobs[index], ranks[index], top_ids[index], top_logprobs[index],
+                          pooled, scored, rejected)
 
     def run_inputs(self, bucket: tuple[int, int], inputs: StepInputs, wait: bool = False) -> list[jax.Array]:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the

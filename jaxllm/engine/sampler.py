@@ -42,6 +42,7 @@ class SamplingTensors:
     bias_values: jax.Array  # [S, B] f32
     history: jax.Array  # [S, L] i32: the sequence's tokens (-1 = padding); [S, 1] when no penalties
     num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
+    history_rows: jax.Array  # [S] i32: the row of `history` each row reads (its own, but in a speculative step)
     any_filter: jax.Array  # [] bool
     any_penalty: jax.Array  # [] bool
     any_random: jax.Array  # [] bool: some row samples (is not greedy)
@@ -66,7 +67,7 @@ def _apply_mask(logits, t: SamplingTensors):
 
 def _apply_penalties(logits, t: SamplingTensors):
     s, v = logits.shape
-    hist = t.history
+    hist = t.history[t.history_rows]
     valid = hist >= 0
     idx = jnp.where(valid, hist, v)  # out of range: dropped
     is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= t.num_prompt[:, None])

@@ -25,6 +25,8 @@ class ScheduledStep:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # per sequence, tokens computed this step
     encode: list[ImageItem] = dataclasses.field(default_factory=list)  # images to encode before the step
+    # per sequence, the speculative tokens it computes after its last one (empty: none); set with `num_new_tokens`
+    drafts: list[list[int]] = dataclasses.field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -100,6 +102,11 @@ class Scheduler:
                 n = self._fit_images(seq, seq.num_computed_tokens, n, step)
             if n <= 0:
                 continue
+            drafts = seq.drafts[:budget - 1] if n == 1 else []  # a decode verifies its drafts in the same step
+            if drafts and self.bm.can_grow(seq, seq.num_computed_tokens + 1 + len(drafts)):
+                n += len(drafts)
+            else:  # drafts never preempt anyone: without room for them the sequence decodes one token
+                drafts = []
             while not self.bm.can_grow(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -111,6 +118,7 @@ class Scheduler:
             self.bm.grow(seq, seq.num_computed_tokens + n)
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
+            step.drafts.append(drafts)
             budget -= n
             if budget == 0:
                 break
@@ -150,6 +158,7 @@ class Scheduler:
             self.running.append(seq)
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
+            step.drafts.append([])
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return step
@@ -165,19 +174,22 @@ class Scheduler:
             return None
         for seq in step.seqs:
             self.bm.grow(seq, seq.num_computed_tokens + 2)
-        return ScheduledStep(list(step.seqs), [1] * len(step.seqs))
+        return ScheduledStep(list(step.seqs), [1] * len(step.seqs), drafts=[[] for _ in step.seqs])
 
-    def update_from_output(self, step: ScheduledStep) -> list[int | None]:
-        """Advances each sequence of the step that ran by the tokens it computed, and registers its pages that
-        became full in the prefix cache: with admission and preemption, the only writer of a sequence's progress.
-        Returns where each sequence's chunk started (None: it ended while the step ran, finished or aborted)."""
+    def update_from_output(self, step: ScheduledStep, rejected: list[int] | None = None) -> list[int | None]:
+        """Advances each sequence of the step that ran by the tokens it computed, less its `rejected` drafts (their
+        KV slots are rolled back), and registers its pages that became full in the prefix cache: with admission
+        and preemption, the only writer of a sequence's progress. Returns where each sequence's chunk started
+        (None: it ended while the step ran, finished or aborted)."""
         starts: list[int | None] = []
-        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+        for i, (seq, n) in enumerate(zip(step.seqs, step.num_new_tokens, strict=True)):
             if seq.finished:
                 starts.append(None)
                 continue
             starts.append(seq.num_computed_tokens)
             seq.num_computed_tokens += n
+            if rejected and rejected[i]:
+                self.rollback(seq, seq.num_computed_tokens - rejected[i])
             self.bm.cache_full_pages(seq)
         return starts
 

@@ -52,6 +52,7 @@ class Sequence:
         self.matcher = None  # llguidance.LLMatcher of a constrained sequence: advanced by each token it gets
         self.pooled = None  # a pooling request's PooledState: it is prefilled, pooled, and never decodes
         self.emitted = Emitted()
+        self.drafts: list[int] = []  # speculative tokens proposed for its next step (`jaxllm.speculative`)
 
     @property
     def params(self) -> SamplingParams | PoolingParams:

@@ -21,9 +21,9 @@ from jaxllm.sampling_params import MAX_LOGPROBS
 
 def step_function(graphdef, state_def, generates: bool, pools: bool, params, caches, inputs: StepInputs):
     """generates: False for a model that only pools (its steps sample nothing); pools: False for a model that only
-    generates (its steps compute no pooling outputs). Returns (caches, packed sampler output [S * K, 3 + 2 * 20]
-    i32 (K sample positions per sequence), pooled [S, 3, E], classified [S, labels], next ids [T], prompt logprobs
-    [T, width])."""
+    generates (its steps compute no pooling outputs). Returns (caches, packed sampler output [R, 3 + 2 * 20] i32
+    (R sample rows: S, or `SpecRows`' R with speculation), pooled [S, 3, E], classified [S, labels], next ids [T],
+    prompt logprobs [T, width])."""
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     ids, meta, logit_rows = inputs.ids, inputs.meta, inputs.logit_rows
     # named scopes reach the compiled program's op metadata: a device profile sorts kernels by them
@@ -32,29 +32,33 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
             hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta)
         else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
             hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, image_embeds=inputs.images)
-    s, k = logit_rows.shape
+    s = logit_rows.shape[0]
     if generates:
-        with jax.named_scope("logits"):
-            logits = model.logits(hidden[logit_rows.reshape(-1)])  # [S * K, V]: only the rows that get a token
-        with jax.named_scope("sampler"):
-            sampling = inputs.sampling if k == 1 else per_position(inputs.sampling, s, k)
-            tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
-        bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-        # [S, 3 + 2 * MAX_LOGPROBS] i32, `unpack`ed on the host: one transfer a step instead of five
-        packed = jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
-                                  bits(top_logprobs)], axis=1)
+        plain = functools.partial(_sample_rows, model, hidden, logit_rows, inputs.sampling)
+        if inputs.spec is None:
+            tokens, packed = plain()
+        else:  # a step without drafts pays for one LM-head row per sequence, not R
+            spec = inputs.spec
+            r = spec.rows.shape[0]
+
+            def speculative():
+                return _sample_rows(model, hidden, spec.rows, per_sample_row(inputs.sampling, spec.seq, spec.offset))
+
+            def padded():
+                tokens, packed = plain()
+                return jnp.pad(tokens, (0, r - s)), jnp.pad(packed, ((0, r - s), (0, 0)))
+            tokens, packed = jax.lax.cond(spec.active, speculative, padded)
         # [T, prompt_logprobs.width] i32: each prompt row's logprob of the next prompt token (a step with none: zeros)
         with jax.named_scope("prompt_logprobs"):
             prompt = prompt_logprobs.compute(model.logits, hidden, inputs.prompt_targets, model.config.vocab_size)
     else:  # a model that only pools
-        tokens = jnp.zeros((s * k,), jnp.int32)
-        packed = jnp.zeros((s * k, 3 + 2 * MAX_LOGPROBS), jnp.int32)
+        tokens = jnp.zeros((s,), jnp.int32)
+        packed = jnp.zeros((s, 3 + 2 * MAX_LOGPROBS), jnp.int32)
         prompt = jnp.zeros((ids.shape[0], prompt_logprobs.width(model.config.vocab_size)), jnp.int32)
     # [T]: row i's token at position i, the ids of a decode step that follows this one with the same sequences
-    # (a step dispatched before this one's tokens are read back: see LLMEngine.step)
+    # (a step dispatched before this one's tokens are read back: see LLMEngine.step; never after drafts)
     t = ids.shape[0]
-    last = tokens.reshape(s, k)[:, -1]  # each sequence's token at its last sample position
-    next_ids = jnp.zeros((t,), jnp.int32).at[:min(s, t)].set(last[:min(s, t)])
+    next_ids = jnp.zeros((t,), jnp.int32).at[:min(s, t)].set(tokens[:min(s, t)])
     if not pools:  # a model that only generates: the same outputs, none of the work (decode steps stay lean)
         return (caches, packed, jnp.zeros((s, 3, hidden.shape[-1]), jnp.float32), jnp.zeros((s, 0), jnp.float32),
                 next_ids, prompt)
@@ -62,11 +66,26 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
     return caches, packed, pooled, model.classify(pooled), next_ids, prompt
 
 
-def per_position(t: SamplingTensors, s: int, k: int) -> SamplingTensors:
-    """A sequence's sampling inputs for each of its K sample positions (rows [S] -> [S * K], sequence-major), the
-    j-th sampling its token index + j (its own random key)."""
-    rows = jax.tree.map(lambda a: jnp.repeat(a, k, axis=0) if a.ndim and a.shape[0] == s else a, t)
-    return dataclasses.replace(rows, steps=rows.steps + jnp.tile(jnp.arange(k, dtype=rows.steps.dtype), s))
+def _sample_rows(model, hidden, rows, sampling: SamplingTensors):
+    """The LM head on `rows` of hidden [T, E] and their tokens -> (tokens [N], packed [N, 3 + 2 * 20] i32)."""
+    with jax.named_scope("logits"):
+        logits = model.logits(hidden[rows])  # [N, V]: only the rows that get a token
+    with jax.named_scope("sampler"):
+        tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
+    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
+    # one transfer a step instead of five, `unpack`ed on the host
+    return tokens, jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
+                                    bits(top_logprobs)], axis=1)
+
+
+def per_sample_row(t: SamplingTensors, seq: jax.Array, offset: jax.Array) -> SamplingTensors:
+    """The sampling inputs of R sample rows, each its sequence's (`seq` [R]: a row of `t`) with its token index +
+    `offset` [R] (its own random key); the penalty history stays one row per sequence (`history_rows` points
+    into it)."""
+    s = t.temperature.shape[0]
+    rows = jax.tree.map(lambda a: a[seq] if a.ndim and a.shape[0] == s else a,
+                        dataclasses.replace(t, history=None, history_rows=None))
+    return dataclasses.replace(rows, steps=rows.steps + offset, history=t.history, history_rows=t.history_rows[seq])
 
 
 def pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
@@ -82,10 +101,9 @@ def pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:
     return jnp.stack([first, last, total], axis=1)
 
 
-def unpack(packed: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A step's packed output [S * K, ...] (K sample positions per sequence) -> (tokens [S, K], logprobs [S, K],
-    ranks [S, K], top ids [S, K, 20], top logprobs [S, K, 20])."""
+def unpack(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A step's packed output [R, ...] -> (tokens [R], logprobs [R], ranks [R], top ids [R, 20], top logprobs
+    [R, 20])."""
     n = (packed.shape[1] - 3) // 2
-    packed = packed.reshape(-1, k, packed.shape[1])
     floats = packed.view(np.float32)
-    return packed[..., 0], floats[..., 1], packed[..., 2], packed[..., 3:3 + n], floats[..., 3 + n:]
+    return packed[:, 0], floats[:, 1], packed[:, 2], packed[:, 3:3 + n], floats[:, 3 + n:]

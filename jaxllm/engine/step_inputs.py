@@ -17,16 +17,26 @@ from jaxllm.engine.sequence import Sequence
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SpecRows:
+    """A speculating engine's sample rows, R = min(S * K, T) of them (K = 1 + the drafts a sequence may have): in a
+    step with drafts, every drafted sequence samples after its last token and after each draft."""
+    rows: jax.Array  # [R] i32: the token row each sample row reads
+    seq: jax.Array  # [R] i32: the sequence (sampling row) it samples for
+    offset: jax.Array  # [R] i32: its position among that sequence's samples (0: after the last token)
+    active: jax.Array  # [] bool: the step has drafts (else the S plain rows are sampled, padded to R)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class StepInputs:
     ids: jax.Array  # [T] i32 (a step dispatched ahead: the previous step's tokens, on the device)
     positions: jax.Array  # [T] i32; [3, T] with M-RoPE
     meta: AttentionMetadata
-    # [S, K] i32: each sequence's rows that get a token: K sample positions (1 + its speculative tokens; a plain
-    # step samples one, after the last token of a chunk that reaches the sequence's end)
-    logit_rows: jax.Array
+    logit_rows: jax.Array  # [S] i32: the token row each sequence that gets a token samples after
     sampling: SamplingTensors
     prompt_targets: jax.Array  # [T] i32: each row's next prompt token to score (-1: none)
     images: jax.Array | None = None  # [levels, T, E]: image embeddings in place of image tokens (VL models)
+    spec: SpecRows | None = None  # an engine that speculates: the step's sample rows
 
 
 @dataclasses.dataclass
@@ -34,13 +44,15 @@ class BuiltInputs:
     inputs: StepInputs
     rows: list[Sequence]  # the sequences that get a token, in row order
     spans: list[prompt_logprobs.Span]  # the rows that score prompt tokens
+    # a step with drafts: per row of `rows`, its first sample row (of R) and its drafts
+    samples: list[tuple[int, list[int]]] | None = None
 
 
 class StepInputBuilder:
     def __init__(self, *, buckets: list[tuple[int, int]], page_size: int, max_model_len: int,
                  sampling: SamplingInputs, images: tuple[int, int, object] | None = None, sample_positions: int = 1):
         """images: a vision-language model's (levels, hidden size, dtype) of its image embeddings;
-        sample_positions: K, the rows each sequence may sample (1 without speculation)."""
+        sample_positions: K, the rows a sequence may sample in one step (1 + its drafts; 1 without speculation)."""
         self.page_size, self.sampling, self.sample_positions = page_size, sampling, sample_positions
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.mrope = images is not None
@@ -62,12 +74,15 @@ class StepInputBuilder:
         positions = np.zeros((3, t) if self.mrope else t, np.int32)
         images = None
         rows: list[Sequence] = []
-        logit_rows = np.zeros((s, self.sample_positions), np.int32)
-        at = 0
-        for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
+        logit_rows = np.zeros(s, np.int32)
+        drafts = step.drafts or [[]] * len(step.seqs)
+        samples: list[tuple[int, list[int]]] = []  # per row: its first sample row, its drafts
+        at = num_samples = 0
+        for seq, n, drafted in zip(step.seqs, step.num_new_tokens, drafts, strict=True):
             start = seq.num_computed_tokens + ahead
             if not ahead:
-                ids[at:at + n] = seq.token_ids[start:start + n]
+                ids[at:at + n - len(drafted)] = seq.token_ids[start:start + n - len(drafted)]
+                ids[at + n - len(drafted):at + n] = drafted
             mm = seq.request.mm
             if mm is not None:
                 positions[:, at:at + n] = mm.position_rows(start, n)
@@ -79,9 +94,12 @@ class StepInputBuilder:
             else:
                 positions[..., at:at + n] = np.arange(start, start + n)
             at += n
-            if start + n == seq.num_tokens + ahead and seq.pooled is None:  # the chunk reaches the end: sample
-                logit_rows[len(rows), :] = at - 1
+            # the chunk reaches the end (its drafts included): sample
+            if start + n == seq.num_tokens + ahead + len(drafted) and seq.pooled is None:
+                logit_rows[len(rows)] = at - 1 - len(drafted)
                 rows.append(seq)
+                samples.append((num_samples, drafted))
+                num_samples += 1 + len(drafted)
         meta = AttentionMetadata.build(
             query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + ahead + n for q, n in
                                                           zip(step.seqs, step.num_new_tokens, strict=True)],
@@ -93,5 +111,25 @@ class StepInputBuilder:
             targets, spans = self.no_prompt_targets[t], []
         if self.mrope:
             images = self.no_images[t] if images is None else images
-        inputs = StepInputs(ids, positions, meta, logit_rows, self.sampling.build(rows, s, ahead), targets, images)
-        return BuiltInputs(inputs, rows, spans)
+        speculative = any(d for _, d in samples)
+        spec = None
+        if self.sample_positions > 1:
+            spec = self._spec_rows(t, s, logit_rows, samples if speculative else [])
+        inputs = StepInputs(ids, positions, meta, logit_rows, self.sampling.build(rows, s, ahead), targets, images,
+                            spec)
+        return BuiltInputs(inputs, rows, spans, samples if speculative else None)
+
+    def sample_rows(self, bucket: tuple[int, int]) -> int:
+        """R: the rows a step of `bucket` samples (S without speculation)."""
+        t, s = bucket
+        return s if self.sample_positions == 1 else min(s * self.sample_positions, t)
+
+    def _spec_rows(self, t: int, s: int, logit_rows: np.ndarray, samples: list[tuple[int, list[int]]]) -> SpecRows:
+        r = self.sample_rows((t, s))
+        rows, seq, offset = np.zeros(r, np.int32), np.zeros(r, np.int32), np.zeros(r, np.int32)
+        for i, (first, drafted) in enumerate(samples):
+            m = 1 + len(drafted)  # after the last token and after each draft: consecutive token rows
+            rows[first:first + m] = logit_rows[i] + np.arange(m)
+            seq[first:first + m] = i
+            offset[first:first + m] = np.arange(m)
+        return SpecRows(rows, seq, offset, np.bool_(bool(samples)))

@@ -29,7 +29,7 @@ def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, fr
         jnp.asarray(choices if choices is not None else np.zeros(rows), jnp.int32),
         jnp.asarray(steps if steps is not None else np.arange(rows), jnp.int32), bias_ids, bias_values, hist,
         jnp.asarray(num_prompt if num_prompt is not None else np.zeros(rows), jnp.int32),
-        jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
+        jnp.arange(rows, dtype=jnp.int32), jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
         jnp.bool_(temperature > 0), jnp.bool_(True),
         jnp.full((rows, 1 if mask is None else mask.shape[1]), -1, jnp.int32) if mask is None else jnp.asarray(mask),
         jnp.bool_(mask is not None), jnp.bool_(bool(bias)))
@@ -180,14 +180,15 @@ def test_a_token_mask_is_applied_before_sampling_and_logprobs(temperature):
 
 
 def test_several_sample_positions_draw_as_the_following_steps_would():
-    """A step that samples K positions per sequence (speculation's verification) gives position j the key of the
-    sequence's token index + j: the same draw as the j-th next one-position step from the same logits."""
-    from jaxllm.engine.step_function import per_position
+    """A step that samples several positions of a sequence (speculation's verification) gives position j the key
+    of the sequence's token index + j: the same draw as the j-th next one-position step from the same logits."""
+    from jaxllm.engine.step_function import per_sample_row
 
     rows, k, vocab = 3, 4, 64
     logits = jax.random.normal(jax.random.key(0), (rows, vocab)) * 3
     t = tensors(rows, temperature=0.8, seeds=[11, 12, 13], steps=[5, 0, 9])
-    wide = per_position(t, rows, k)
+    seq, offset = np.repeat(np.arange(rows), k), np.tile(np.arange(k), rows)
+    wide = per_sample_row(t, jnp.asarray(seq, jnp.int32), jnp.asarray(offset, jnp.int32))
     assert wide.temperature.shape == (rows * k,) and wide.any_random.shape == ()
     np.testing.assert_array_equal(np.asarray(wide.steps).reshape(rows, k), [[5, 6, 7, 8], [0, 1, 2, 3],
                                                                            [9, 10, 11, 12]])
@@ -196,3 +197,17 @@ def test_several_sample_positions_draw_as_the_following_steps_would():
         one = tensors(rows, temperature=0.8, seeds=[11, 12, 13], steps=[5 + j, j, 9 + j])
         np.testing.assert_array_equal(got[:, j], np.asarray(sample(logits, one)[0]))
     assert len(set(got.reshape(-1).tolist())) > rows  # the positions do draw differently
+
+
+def test_sample_rows_read_their_sequences_history():
+    """Penalties in a step with several sample rows per sequence: each row reads its own sequence's history (the
+    history stays [S, L]; rows point into it)."""
+    from jaxllm.engine.step_function import per_sample_row
+
+    vocab = 16
+    logits = jnp.zeros((2, vocab)).at[:, 3].set(1.0).at[:, 5].set(0.9)
+    t = tensors(2, temperature=0.0, rep=1.0, pres=0.5, history=[[3, -1], [5, -1]], num_prompt=[0, 0])
+    seq = jnp.asarray([1, 1, 0], jnp.int32)
+    wide = per_sample_row(t, seq, jnp.asarray([0, 1, 0], jnp.int32))
+    got = np.asarray(sample(logits[jnp.asarray([1, 1, 0])], wide)[0]).tolist()
+    assert got == [3, 3, 5]  # sequence 1 saw 5 (penalized: 3 wins), sequence 0 saw 3 (5 wins)

@@ -1,0 +1,51 @@
+"""The engine's side of speculation: before the scheduler runs, each decoding sequence gets its drafts from the
+method (`Drafter.propose`); after the step, the counters learn what the target accepted (`Drafter.observe`).
+
+A sequence gets no drafts where the target's samples at later positions would not be those of plain steps: its
+penalties read a history the drafts are not in, a grammar's mask follows each token, and min_tokens' bans end
+with a count. Such a sequence decodes one token a step beside the drafted ones."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxllm.speculative.methods import make_proposer
+from jaxllm.speculative.verify import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from jaxllm.engine.scheduler import ScheduledStep
+    from jaxllm.engine.sequence import Sequence
+    from jaxllm.speculative.config import SpeculativeConfig
+
+
+class Drafter:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+        self.config, self.max_model_len = config, max_model_len
+        self.proposer = make_proposer(config)
+        self.stats = SpecDecodeStats()
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""
+        limit = self.config.disable_by_batch_size
+        off = limit is not None and len(running) >= limit
+        for seq in running:
+            room = 0 if off or not self._may_draft(seq) else self._room(seq)
+            seq.drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+
+    def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
+        for drafted, lost in zip(step.drafts, rejected, strict=True):
+            self.stats.observe(len(drafted), len(drafted) - lost)
+
+    @staticmethod
+    def _may_draft(seq: Sequence) -> bool:
+        p = seq.params
+        return (seq.num_computed_tokens + 1 == seq.num_tokens and not seq.finished and seq.pooled is None
+                and seq.matcher is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens)
+
+    def _room(self, seq: Sequence) -> int:
+        """Drafts that can still be used: each kept one is an output token, and the target adds one of its own."""
+        p = seq.params
+        room = self.config.num_speculative_tokens
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        return min(room, self.max_model_len - seq.num_tokens - 1)
