@@ -91,6 +91,21 @@ def _quantized_matmul(kernels, x, fmt: QuantFormat, data: nnx.Param, scale: nnx.
     return matmul(x, QuantizedWeight(*values), fmt)
 
 
+def row_sum(x: jax.Array) -> jax.Array:
+    """x [..., n] -> [..., 1]: the sum over the last axis in an order fixed by n alone (halves added while n is
+    even, then the rest in order). XLA:CPU picks a reduction's order by the array's shape: its mean over 576
+    values rounds differently for fewer than 8 rows than for more, so a row's norm, and the tokens after it,
+    would depend on how many rows its step has (a decode, a prefill chunk, a speculative step)."""
+    n = x.shape[-1]
+    while n > 1 and n % 2 == 0:
+        n //= 2
+        x = x[..., :n] + x[..., n:]
+    total = x[..., 0]
+    for i in range(1, n):
+        total = total + x[..., i]
+    return total[..., None]
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
         weight = jnp.ones((dim,), dtype) if rngs is not None else jax.ShapeDtypeStruct((dim,), dtype)
@@ -99,7 +114,7 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + self.eps)
         return (xf.astype(x.dtype) * self.weight[...]).astype(x.dtype)
 
 

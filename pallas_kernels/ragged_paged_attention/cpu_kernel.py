@@ -113,10 +113,12 @@ def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, windo
             for x in range(d):
                 a += qs[r, x] * widen(kp[c, x])
             sc[r, c] = a
-    # Pages wholly inside every row's causal window need no masking (the common case).
-    full = base >= start and base + page_size - 1 <= first and window <= 0
     for r in range(rows):
         qpos = first + r // group
+        # A page wholly inside the row's causal window needs no masking (the common case). Decided per row, so a
+        # row's arithmetic depends on its own position only, not on the other query rows of its block: a prefill
+        # chunk, a decode step and a speculative step compute a position's output alike.
+        full = base >= start and base + page_size - 1 <= qpos and window <= 0
         row_max = NEG
         for c in range(page_size):
             s = sc[r, c]
