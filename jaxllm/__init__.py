@@ -15,9 +15,10 @@ _EXPORTS = {
     "EngineConfig": "jaxllm.engine.config",
     "PoolingParams": "jaxllm.pooling_params",
     "RequestOutputKind": "jaxllm.sampling_params", "SamplingParams": "jaxllm.sampling_params",
+    "SpeculativeConfig": "jaxllm.speculative.config",
 }
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "RequestOutputKind", "SamplingParams"]
+           "RequestOutput", "RequestOutputKind", "SamplingParams", "SpeculativeConfig"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
     from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+    from jaxllm.speculative.config import SpeculativeConfig
 
 
 def __getattr__(name: str):

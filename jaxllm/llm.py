@@ -29,6 +29,7 @@ from jaxllm.outputs import (
 )
 from jaxllm.pooling_params import CLASSIFY, EMBED, PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.speculative import SpecDecodeStats
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 # text, or {"prompt_token_ids": [...]} / {"prompt": "..."} (jaxllm.inputs: TokensPrompt / TextPrompt), optionally
@@ -76,6 +77,13 @@ class LLM:
         platform's)."""
         path = model if isinstance(model, str) else None
         return EngineConfig.from_preset(preset or default_preset(model), model=path, **engine_options)
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """With speculative decoding, what the drafts achieved so far: ``.acceptance_rate``,
+        ``.mean_acceptance_length``, ``.num_drafts``, ``.num_draft_tokens``, ``.num_accepted_tokens``,
+        ``.accepted_per_pos`` (vLLM's spec-decode counters); None without."""
+        return self.engine.drafter.stats if self.engine.drafter is not None else None
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer

@@ -43,6 +43,17 @@ class EngineCollector:
         yield counter("jaxllm_images_encoded", "Images the vision encoder ran on.", s.get("images_encoded_total", 0))
         yield counter("jaxllm_encoder_cache_hits", "Images whose embeddings a step found in the encoder cache.",
                       s.get("encoder_cache_hits_total", 0))
+        if "spec_decode_num_drafts_total" in s:  # speculative decoding (vLLM's spec_decode metrics)
+            for key, doc in (("num_drafts", "Sequence steps that verified drafts."),
+                             ("num_draft_tokens", "Draft tokens proposed."),
+                             ("num_accepted_tokens", "Draft tokens the target accepted.")):
+                yield counter(f"jaxllm_spec_decode_{key}", doc, s[f"spec_decode_{key}_total"])
+            per_pos = CounterMetricFamily("jaxllm_spec_decode_num_accepted_tokens_per_pos",
+                                          "Draft tokens accepted, by draft position.",
+                                          labels=["model_name", "position"])
+            for position, count in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
+                per_pos.add_metric([*self.labels, str(position)], count)
+            yield per_pos
         # Per engine core (data-parallel rank; one when there is no data parallelism).
         per_rank = [("jaxllm_engine_requests", "Requests this engine core received.", "requests_total", True),
                     ("jaxllm_engine_num_requests_running", "Sequences in this engine core's batch.", "num_running",

@@ -74,7 +74,7 @@ class DataParallelClient:
     @property
     def stats(self) -> dict:
         per = self.rank_stats
-        total = {k: sum(s.get(k, 0) for s in per) for k in per[0] if k != "kv_cache_usage"}
+        total = {k: _add([s.get(k, 0) for s in per]) for k in per[0] if k != "kv_cache_usage"}
         total["kv_cache_usage"] = 1.0 - total["num_free_pages"] / max(1, total["num_pages"])
         return total
 
@@ -109,3 +109,11 @@ class DataParallelClient:
     def stop(self, drain_timeout_s: float = 0.0) -> None:
         for r in self.ranks:
             r.stop(drain_timeout_s)
+
+
+def _add(values: list) -> int | float | list:
+    """The ranks' values of a counter added up; a list of counters (by position) element by element."""
+    if values and isinstance(values[0], list):
+        width = max(len(v) for v in values if isinstance(v, list))
+        return [sum(v[i] for v in values if isinstance(v, list) and i < len(v)) for i in range(width)]
+    return sum(values)

@@ -1,0 +1,102 @@
+"""Speculative decoding in the engine, on the embedded SmolLM2 as it ships (Q4_1 layers, the CPU kernels): the
+output is plain decoding's token for token, greedy or seeded at any temperature (every position's sample is
+drawn with the key of its token index, from logits that do not depend on how many rows the step has), with
+drafts accepted and rejected on the way; nothing compiles after warm-up; every page is free after aborts and
+preemptions; sequences that may not draft decode beside those that do."""
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine import compile_monitor
+from tests.conftest import ENGINE_OPTIONS
+
+OPTIONS = {**ENGINE_OPTIONS, "attn_impl": "auto", "quantization": "auto"}  # as smollm2_quantized_llm
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n")
+GROUNDED = [
+    [{"role": "user", "content": "Rename width to w and height to h in this code, and show all of it:\n" + CODE}],
+    [{"role": "user", "content": "Repeat this sentence three times: The river carries the boats to the sea."}],
+]
+OPEN = [[{"role": "user", "content": "Write a short poem about the night."}]]
+
+
+@pytest.fixture(scope="module")
+def spec_llm(compile_cache_dir):
+    return LLM(compilation_cache_dir=compile_cache_dir, speculative_config=SPEC, **OPTIONS)
+
+
+def _chat(llm, params):
+    return [(c.token_ids, c.text, c.finish_reason, c.cumulative_logprob,
+             None if c.logprobs is None else [{t: (lp.logprob, lp.rank) for t, lp in d.items()} for d in c.logprobs])
+            for out in llm.chat(GROUNDED + OPEN, params, use_tqdm=False) for c in out.outputs]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0, max_tokens=96),
+    SamplingParams(temperature=1.0, seed=3, max_tokens=96, logprobs=2),
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=11, max_tokens=96, n=2, stop=["perimeter"]),
+], ids=["greedy", "seeded", "filtered-n2-stop"])
+def test_outputs_are_plain_decodings_token_for_token(spec_llm, smollm2_quantized_llm, params):
+    before = spec_llm.spec_decode_stats.num_draft_tokens, spec_llm.spec_decode_stats.num_accepted_tokens
+    got = _chat(spec_llm, params)
+    assert got == _chat(smollm2_quantized_llm, params)
+    stats = spec_llm.spec_decode_stats
+    drafted, kept = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert kept > 0 and drafted > kept  # drafts were kept and rejected on the way
+
+
+def test_no_compiles_after_warmup_and_every_page_free_after_aborts(spec_llm):
+    engine = spec_llm.engine
+    before = compile_monitor.snapshot()
+    params = SamplingParams(temperature=0, max_tokens=64)
+    prompt = spec_llm.get_tokenizer().apply_chat_template(GROUNDED[0], add_generation_prompt=True)
+    for i in range(6):
+        engine.add_request(f"a{i}", prompt, params)
+    for _ in range(8):
+        engine.step()
+    engine.abort_request("a1")
+    engine.abort_request("a4")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compile_monitor.snapshot() == before
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_preempted_speculating_sequences_end_as_plain_ones(compile_cache_dir, smollm2_quantized_llm):
+    """Few pages: sequences are preempted and recomputed while they speculate; outputs unchanged, pages all free."""
+    small = LLM(compilation_cache_dir=compile_cache_dir, speculative_config=SPEC, **{**OPTIONS, "num_pages": 40})
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    prompts = GROUNDED * 3
+    got = [o.outputs[0].token_ids for o in small.chat(prompts, params, use_tqdm=False)]
+    assert small.engine.scheduler.num_preemptions > 0 and small.spec_decode_stats.num_accepted_tokens > 0
+    want = [o.outputs[0].token_ids for o in smollm2_quantized_llm.chat(prompts, params, use_tqdm=False)]
+    assert got == want
+    bm = small.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages
+
+
+def test_sequences_that_may_not_draft_decode_beside_those_that_do(spec_llm, smollm2_quantized_llm):
+    """Penalties, min_tokens and a grammar keep a sequence to one token a step (their samples depend on the
+    tokens before them); in a batch with drafting sequences they get plain decoding's tokens."""
+    batch = [SamplingParams(temperature=0, max_tokens=48),
+             SamplingParams(temperature=0, max_tokens=48, repetition_penalty=1.3, presence_penalty=0.5),
+             SamplingParams(temperature=0, max_tokens=48, min_tokens=40, ignore_eos=False),
+             SamplingParams(temperature=0, max_tokens=48, structured_outputs={"regex": "(area|perimeter)+"})]
+
+    def run(llm):
+        outs = llm.chat([GROUNDED[0]] * len(batch), batch, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+    got = run(spec_llm)
+    assert got == run(smollm2_quantized_llm)
+    assert len(got[2]) >= 40 and all(len(t) > 0 for t in got)
+
+
+def test_counters_reach_the_engine_stats(spec_llm):
+    spec_llm.chat(GROUNDED[1], SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    stats = spec_llm.engine.stats()
+    assert stats["spec_decode_num_drafts_total"] > 0
+    assert stats["spec_decode_num_draft_tokens_total"] >= stats["spec_decode_num_accepted_tokens_total"] > 0
+    per_pos = stats["spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 4 and sum(per_pos) == stats["spec_decode_num_accepted_tokens_total"]
+    assert all(per_pos[i] >= per_pos[i + 1] for i in range(3))  # a draft is kept only after those before it

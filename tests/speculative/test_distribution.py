@@ -1,0 +1,44 @@
+"""At temperature 1, speculation samples from plain decoding's distribution: 10,000 requests with seeds of their
+own on each side (so the two samples are independent), and a chi-square test on the first three tokens cannot
+tell them apart. The tiny random model is steered by a logit bias towards two tokens that its prompt repeats, so
+prompt lookup drafts at every step and the target keeps about half of its drafts: the third token comes from a
+verification row whenever the second matched its draft."""
+
+import collections
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from jaxllm import LLM, SamplingParams
+
+OPTIONS = dict(dtype="float32", attn_impl="auto", max_num_seqs=64, max_num_batched_tokens=256, num_pages=512,
+               max_model_len=256)
+A, B = 300, 301
+PROMPT = [A, B, A, A, B, B, A, B, B, A, A, B]
+SAMPLES = 10_000
+
+
+def joint(llm: LLM, seeds: range) -> collections.Counter:
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True, logit_bias={A: 12.0, B: 12.0})
+              for s in seeds]
+    outs = llm.generate([{"prompt_token_ids": PROMPT}] * len(params), params, use_tqdm=False)
+    return collections.Counter(tuple(o.outputs[0].token_ids) for o in outs)
+
+
+@pytest.mark.slow
+def test_first_tokens_are_distributed_as_without_speculation(tiny_folder, compile_cache_dir):
+    plain = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
+    spec = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    want = joint(plain, range(SAMPLES))
+    got = joint(spec, range(SAMPLES, 2 * SAMPLES))
+    stats = spec.spec_decode_stats
+    assert stats.num_drafts >= 0.95 * SAMPLES and 0.3 < stats.acceptance_rate < 0.7  # drafts kept and refused
+    cells = sorted(set(want) | set(got))
+    common = [c for c in cells if want[c] + got[c] >= 20]  # rare sequences merged into one cell
+    table = np.array([[want[c] for c in common] + [sum(want[c] for c in cells if c not in common)],
+                      [got[c] for c in common] + [sum(got[c] for c in cells if c not in common)]])
+    table = table[:, table.sum(axis=0) > 0]
+    assert len(common) >= 8  # the 8 sequences of the two tokens at least
+    assert chi2_contingency(table).pvalue > 0.01
