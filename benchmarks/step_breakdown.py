@@ -66,7 +66,8 @@ def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float]) -> 
             runs[args["run_id"]].append(e)
     per_run = []
     for ops in runs.values():
-        ops = [e for e in ops if not e["name"].startswith("while")]  # loops: their body's ops are counted
+        # loops and conditionals: the ops of their bodies and branches are counted
+        ops = [e for e in ops if not e["name"].startswith(("while", "cond"))]
         start, end = min(e["ts"] for e in ops), max(e["ts"] + e["dur"] for e in ops)
         count = collections.Counter(e["args"]["hlo_op"] for e in ops)
         parts = dict.fromkeys(PARTS, 0.0)
