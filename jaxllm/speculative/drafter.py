@@ -23,18 +23,27 @@ class Drafter:
         self.config, self.max_model_len = config, max_model_len
         self.proposer = make_proposer(config)
         self.stats = SpecDecodeStats()
+        # The most drafts each sequence gets next (by seq_id; k when absent): after a step that kept all of its
+        # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
+        # kept or not, and a sequence whose drafts fail (its output stopped quoting) should try few of them.
+        self.caps: dict[int, int] = {}
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
+        self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
         for seq in running:
             room = 0 if off or not self._may_draft(seq) else self._room(seq)
             seq.drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
     def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
-        for drafted, lost in zip(step.drafts, rejected, strict=True):
-            self.stats.observe(len(drafted), len(drafted) - lost)
+        k = self.config.num_speculative_tokens
+        for seq, drafted, lost in zip(step.seqs, step.drafts, rejected, strict=True):
+            if drafted:
+                kept = len(drafted) - lost
+                self.stats.observe(len(drafted), kept)
+                self.caps[seq.seq_id] = k if lost == 0 else max(1, 2 * kept)
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
@@ -45,7 +54,7 @@ class Drafter:
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still be used: each kept one is an output token, and the target adds one of its own."""
         p = seq.params
-        room = self.config.num_speculative_tokens
+        room = self.caps.get(seq.seq_id, self.config.num_speculative_tokens)
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         return min(room, self.max_model_len - seq.num_tokens - 1)

@@ -1,0 +1,44 @@
+"""Speculative decoding behind the API, with two API workers sharing an engine-core process (the engine's counters
+cross ZeroMQ as they do in every serve mode): a streamed answer equals the same request answered whole, vLLM's
+spec-decode counters reach /metrics, and every page is free afterwards."""
+
+import json
+import time
+
+import pytest
+import requests
+
+from tests.engine.test_speculative import OPTIONS, SPEC
+from tests.server.conftest import API_KEY, Server
+
+
+@pytest.fixture(scope="module")
+def spec_server(tmp_path_factory, compile_cache_dir):
+    env = {f"JAXLLM_{k.upper()}": str(v) for k, v in OPTIONS.items()}
+    env |= {"JAXLLM_SPECULATIVE_CONFIG": json.dumps(SPEC), "JAXLLM_API_KEY": API_KEY, "JAXLLM_API_SERVERS": "2",
+            "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir}
+    srv = Server({}, tmp_path_factory.mktemp("spec_server") / "server.log", engine_env=env)
+    yield srv
+    assert srv.stop() == 0, srv.log.read_text()[-3000:]
+
+
+def test_streamed_and_whole_answers_agree_and_counters_reach_metrics(spec_server):
+    import openai
+
+    client = openai.OpenAI(base_url=spec_server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    sentence = "The river carries the boats to the sea."
+    messages = [{"role": "system", "content": "You repeat text exactly."},
+                {"role": "user", "content": f"Repeat this sentence three times: {sentence}"}]
+    whole = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=64)
+    chunks = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=64, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole.choices[0].message.content and len(streamed) > 40
+    idle, _, m = spec_server.wait_idle(time.monotonic(), 30)
+    assert idle  # every page free
+    assert m["jaxllm_spec_decode_num_drafts_total"] > 0
+    assert m["jaxllm_spec_decode_num_draft_tokens_total"] >= m["jaxllm_spec_decode_num_accepted_tokens_total"] > 0
+    text = requests.get(spec_server.url + "/metrics", timeout=5).text
+    per_pos = {line.split('position="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("jaxllm_spec_decode_num_accepted_tokens_per_pos_total{")}
+    assert sorted(per_pos) == ["0", "1", "2", "3"]
+    assert sum(per_pos.values()) == m["jaxllm_spec_decode_num_accepted_tokens_total"]
