@@ -211,9 +211,12 @@ class LLMEngine:
     def _may_look_ahead(self, step) -> bool:
         """Whether the decode step after `step` can be built without `step`'s tokens: every sequence decodes one
         token, and nothing it samples with depends on the tokens (penalties read them, a grammar's mask follows
-        them, min_tokens' bans end with a count). (A vision-language model's decode steps hold no image tokens, and
-        their M-RoPE positions are known ahead.)"""
+        them, min_tokens' bans end with a count), and no sequence's output is quoting text the drafter could draft
+        from once the tokens are known. (A vision-language model's decode steps hold no image tokens, and their
+        M-RoPE positions are known ahead.)"""
         if not self.config.async_scheduling or self._leader is not None:
+            return False
+        if self.drafter is not None and self.drafter.worth_waiting(step.seqs):
             return False
         going_on = False
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):

@@ -37,6 +37,17 @@ class Drafter:
             room = 0 if off or not self._may_draft(seq) else self._room(seq)
             seq.drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
 
+    def worth_waiting(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step of `seqs` should wait for this one's tokens, to draft from them, rather than be
+        dispatched ahead without drafts (async scheduling): some sequence is quoting, i.e. the method, given its
+        tokens but the last, would have proposed its last token (so drafts after the next token will likely be
+        kept too). Otherwise running ahead saves more than drafts that would mostly be rejected."""
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(seqs) >= limit:
+            return False
+        return any(self._may_draft(seq) and self._room(seq) > 1 and seq.num_output_tokens > 0 and
+                   self.proposer.propose(seq.token_ids[:-1], 1) == seq.token_ids[-1:] for seq in seqs)
+
     def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
         k = self.config.num_speculative_tokens
         for seq, drafted, lost in zip(step.seqs, step.drafts, rejected, strict=True):
