@@ -113,49 +113,59 @@ def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, windo
             for x in range(d):
                 a += qs[r, x] * widen(kp[c, x])
             sc[r, c] = a
-    for r in range(rows):
-        qpos = first + r // group
-        # A page wholly inside the row's causal window needs no masking (the common case). Decided per row, so a
-        # row's arithmetic depends on its own position only, not on the other query rows of its block: a prefill
-        # chunk, a decode step and a speculative step compute a position's output alike.
-        full = base >= start and base + page_size - 1 <= qpos and window <= 0
-        row_max = NEG
-        for c in range(page_size):
-            s = sc[r, c]
-            if soft_cap > 0:
-                s = soft_cap * math.tanh(s / soft_cap)
-            if not full:
-                pos = base + c
-                if pos > qpos or pos < start or (window > 0 and pos <= qpos - window):
-                    s = NEG
-            sc[r, c] = s
-            row_max = max(row_max, s)
-        if row_max == NEG:
-            continue
-        m_new = max(m[r], row_max)
-        alpha = _exp(m[r] - m_new)
-        m[r] = m_new
-        for c in range(page_size):  # a vector loop: masked scores become exact zeros
-            s = sc[r, c]
-            sc[r, c] = _exp(s - m_new) if s != NEG else np.float32(0.0)
-        total = l[r] * alpha
-        for c in range(page_size):
-            total += sc[r, c]
-        l[r] = total
-        if full:
-            for x in range(d):
-                a = acc[r, x] * alpha
-                for c in range(page_size):
-                    a += sc[r, c] * widen(vp[c, x])
-                acc[r, x] = a
-        else:
-            for x in range(d):
-                acc[r, x] *= alpha
+    # A page wholly inside a row's causal window needs no masking (the common case). Decided per row, so a row's
+    # arithmetic depends on its own position only, not on the other query rows of its block: a prefill chunk, a
+    # decode step and a speculative step compute a position's output alike. Rows are in position order, so the
+    # rows that see the page whole are a suffix; each part runs as its own loop (with `full` a constant in it,
+    # as fast as one loop over rows that all agree).
+    split = rows
+    if base >= start and window <= 0:
+        split = min(rows, max(0, base + page_size - 1 - first) * group)
+    for r in range(split):
+        _fold_row(r, False, first + r // group, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size)
+    for r in range(split, rows):
+        _fold_row(r, True, first + r // group, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size)
+
+
+@numba.njit(inline="always", **_KW)
+def _fold_row(r, full, qpos, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size):  # noqa: E741
+    row_max = NEG
+    for c in range(page_size):
+        s = sc[r, c]
+        if soft_cap > 0:
+            s = soft_cap * math.tanh(s / soft_cap)
+        if not full:
+            pos = base + c
+            if pos > qpos or pos < start or (window > 0 and pos <= qpos - window):
+                s = NEG
+        sc[r, c] = s
+        row_max = max(row_max, s)
+    if row_max == NEG:
+        return
+    m_new = max(m[r], row_max)
+    alpha = _exp(m[r] - m_new)
+    m[r] = m_new
+    for c in range(page_size):  # a vector loop: masked scores become exact zeros
+        s = sc[r, c]
+        sc[r, c] = _exp(s - m_new) if s != NEG else np.float32(0.0)
+    total = l[r] * alpha
+    for c in range(page_size):
+        total += sc[r, c]
+    l[r] = total
+    if full:
+        for x in range(d):
+            a = acc[r, x] * alpha
             for c in range(page_size):
-                p = sc[r, c]
-                if p != 0:  # masked slots may hold any bits (a stale inf would make 0 * inf = NaN)
-                    for x in range(d):
-                        acc[r, x] += p * widen(vp[c, x])
+                a += sc[r, c] * widen(vp[c, x])
+            acc[r, x] = a
+    else:
+        for x in range(d):
+            acc[r, x] *= alpha
+        for c in range(page_size):
+            p = sc[r, c]
+            if p != 0:  # masked slots may hold any bits (a stale inf would make 0 * inf = NaN)
+                for x in range(d):
+                    acc[r, x] += p * widen(vp[c, x])
 
 
 @numba.njit(inline="always", **_KW)
