@@ -29,8 +29,9 @@ def test_streamed_and_whole_answers_agree_and_counters_reach_metrics(spec_server
     sentence = "The river carries the boats to the sea."
     messages = [{"role": "system", "content": "You repeat text exactly."},
                 {"role": "user", "content": f"Repeat this sentence three times: {sentence}"}]
-    whole = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=64)
-    chunks = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=64, stream=True)
+    ask = dict(model="SmolLM2-135M-Instruct", messages=messages, temperature=0, max_tokens=64)
+    whole = client.chat.completions.create(**ask)
+    chunks = client.chat.completions.create(**ask, stream=True)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and sentence in streamed
     idle, _, m = spec_server.wait_idle(time.monotonic(), 30)
