@@ -42,7 +42,6 @@ class SamplingTensors:
     bias_values: jax.Array  # [S, B] f32
     history: jax.Array  # [S, L] i32: the sequence's tokens (-1 = padding); [S, 1] when no penalties
     num_prompt: jax.Array  # [S] i32: how many leading history entries are prompt tokens
-    history_rows: jax.Array  # [S] i32: the row of `history` each row reads (its own, but in a speculative step)
     any_filter: jax.Array  # [] bool
     any_penalty: jax.Array  # [] bool
     any_random: jax.Array  # [] bool: some row samples (is not greedy)
@@ -50,6 +49,8 @@ class SamplingTensors:
     token_mask: jax.Array  # [S, ceil(V / 32)] i32: bit j % 32 of word j // 32 allows token j (all ones: free)
     any_mask: jax.Array  # [] bool: some row is constrained
     any_bias: jax.Array  # [] bool: some row has a logit bias (its own, or EOS/stop tokens banned before min_tokens)
+    # [S] i32: the row of `history` each row reads, in a speculative step's sample rows; None: its own
+    history_rows: jax.Array | None = None
 
     @property
     def only_greedy(self) -> jax.Array:
@@ -67,7 +68,7 @@ def _apply_mask(logits, t: SamplingTensors):
 
 def _apply_penalties(logits, t: SamplingTensors):
     s, v = logits.shape
-    hist = t.history[t.history_rows]
+    hist = t.history if t.history_rows is None else t.history[t.history_rows]
     valid = hist >= 0
     idx = jnp.where(valid, hist, v)  # out of range: dropped
     is_output = valid & (jnp.arange(hist.shape[1])[None, :] >= t.num_prompt[:, None])

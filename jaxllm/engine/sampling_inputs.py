@@ -75,8 +75,7 @@ class SamplingInputs:
         else:
             mask = self.no_mask[s]
         return SamplingTensors(temperature, top_k, top_p, min_p, rep, freq, pres, seeds, choices, steps, bias_ids,
-                               bias_values, history, num_prompt, np.arange(s, dtype=np.int32),
-                               np.bool_(any_filter), np.bool_(any_penalty),
+                               bias_values, history, num_prompt, np.bool_(any_filter), np.bool_(any_penalty),
                                np.bool_(any_random), np.bool_(any_logprobs), mask, np.bool_(bool(constrained)),
                                np.bool_(any_bias))
 

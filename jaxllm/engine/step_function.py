@@ -85,7 +85,7 @@ def per_sample_row(t: SamplingTensors, seq: jax.Array, offset: jax.Array) -> Sam
     s = t.temperature.shape[0]
     rows = jax.tree.map(lambda a: a[seq] if a.ndim and a.shape[0] == s else a,
                         dataclasses.replace(t, history=None, history_rows=None))
-    return dataclasses.replace(rows, steps=rows.steps + offset, history=t.history, history_rows=t.history_rows[seq])
+    return dataclasses.replace(rows, steps=rows.steps + offset, history=t.history, history_rows=seq)
 
 
 def pool_chunks(hidden: jax.Array, meta: AttentionMetadata) -> jax.Array:

@@ -29,8 +29,7 @@ def tensors(rows, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, rep=1.0, fr
         jnp.asarray(choices if choices is not None else np.zeros(rows), jnp.int32),
         jnp.asarray(steps if steps is not None else np.arange(rows), jnp.int32), bias_ids, bias_values, hist,
         jnp.asarray(num_prompt if num_prompt is not None else np.zeros(rows), jnp.int32),
-        jnp.arange(rows, dtype=jnp.int32), jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0),
-        jnp.bool_(rep != 1 or freq != 0 or pres != 0),
+        jnp.bool_(top_k > 0 or top_p < 1 or min_p > 0), jnp.bool_(rep != 1 or freq != 0 or pres != 0),
         jnp.bool_(temperature > 0), jnp.bool_(True),
         jnp.full((rows, 1 if mask is None else mask.shape[1]), -1, jnp.int32) if mask is None else jnp.asarray(mask),
         jnp.bool_(mask is not None), jnp.bool_(bool(bias)))
