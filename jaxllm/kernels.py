@@ -18,6 +18,10 @@ the step a TPU or GPU runs, with the native kernels. Every rule lives here:
   GEMM that reads it, but copies a scan's dynamic slice out first: three HBM crossings of every weight a step;
   `benchmarks/gpu_hlo_report.py` shows both), a scan elsewhere (one layer to trace and compile; the CPU matmul
   kernels read the stacked weight in place, and XLA:TPU fuses the dynamic slice into the dot's operand).
+- A row's sum (RMSNorm's mean square) in an order fixed by the row's length on CPU (`Kernels.fixed_order_sums`):
+  XLA:CPU picks a reduction's order by the array's shape, so a row's norm would depend on how many rows its step
+  has; XLA:GPU reduces each row in one kernel whatever the row count, and there the fixed order's slice-adds
+  cost a step 33 (batch 1) to 130 (batch 256) more kernels of an 8B model.
 - Under tensor parallelism a kernel GSPMD cannot partition (a Pallas kernel: "Mosaic kernels cannot be
   automatically partitioned") runs inside `jax.shard_map` over the mesh's ``tp`` axis, each device on its own
   KV heads; the jnp reference is left to GSPMD.
@@ -74,6 +78,11 @@ class Kernels:
         if self.int8_isa is not None and self.matmul != "cpu":
             raise ValueError("an int8 path is the cpu matmul's")
         normalize_platform(self.platform)
+
+    @property
+    def fixed_order_sums(self) -> bool:
+        """Row sums in an order fixed by the row's length (`jaxllm.models.layers.row_sum`), not XLA's."""
+        return normalize_platform(self.platform) == "cpu"
 
 
 def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platform: str | None = None,

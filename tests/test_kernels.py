@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxllm.config import ModelConfig
 from jaxllm.kernels import Kernels, choose_kernels
-from jaxllm.models.layers import Embed, Linear
+from jaxllm.models.layers import Embed, Linear, RMSNorm
 from jaxllm.models.llama import LlamaForCausalLM
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -68,9 +68,24 @@ def test_the_model_and_every_linear_follow_one_choice():
     kernels = choose_kernels(platform="tpu", dtype=BF16)
     model = LlamaForCausalLM(cfg, dtype=BF16, kernels=kernels, rngs=None)
     assert model.kernels == kernels == Kernels("pallas_tpu", "reference", "tpu", False)
-    modules = [m for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, Embed))]
-    assert len(modules) == 2 * 4 + 1 and {m.kernels for m in modules} == {kernels}
+    modules = [m for _, m in nnx.iter_modules(model) if isinstance(m, (Linear, Embed, RMSNorm))]
+    assert len(modules) == 2 * 4 + 1 + 2 * 2 + 1 and {m.kernels for m in modules} == {kernels}
     model.set_matmul_impl("reference")
     assert model.kernels.attention == "pallas_tpu" and model.matmul_impl == "reference"
     default = LlamaForCausalLM(cfg, rngs=None)
     assert default.kernels == choose_kernels(platform=jax.default_backend())
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+def test_a_norm_sums_rows_in_a_fixed_order_on_cpu_only(platform):
+    """On CPU a row's norm must not depend on how many rows its step has (XLA:CPU orders a reduction by shape); on
+    GPU the norm is XLA's one row reduction, not the fixed order's chain of slice-adds (more kernels a step)."""
+    norm = RMSNorm(576, 1e-5, rngs=nnx.Rngs(0))
+    norm.kernels = choose_kernels(platform=platform, dtype=jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (16, 576), jnp.float32)
+    hlo = jax.jit(norm.__call__).lower(x).as_text()
+    assert ("slice" in hlo) == (platform == "cpu")
+    if platform == "cpu":
+        whole = jax.jit(norm.__call__)(x)
+        for rows in (1, 3, 7, 9):
+            assert (jax.jit(norm.__call__)(x[:rows]) == whole[:rows]).all(), rows

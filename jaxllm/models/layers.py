@@ -111,10 +111,12 @@ class RMSNorm(nnx.Module):
         weight = jnp.ones((dim,), dtype) if rngs is not None else jax.ShapeDtypeStruct((dim,), dtype)
         self.weight = nnx.Param(weight, axes=(None,))
         self.eps = eps
+        self.kernels = choose_kernels(dtype=dtype)  # the model's choice replaces it (`set_kernels`)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
-        xf = xf * jax.lax.rsqrt(row_sum(xf * xf) / xf.shape[-1] + self.eps)
+        squares = row_sum(xf * xf) if self.kernels.fixed_order_sums else jnp.sum(xf * xf, axis=-1, keepdims=True)
+        xf = xf * jax.lax.rsqrt(squares / xf.shape[-1] + self.eps)
         return (xf.astype(x.dtype) * self.weight[...]).astype(x.dtype)
 
 

@@ -123,7 +123,7 @@ class LlamaForCausalLM(nnx.Module):
             quantized_matmul_kernel(kernels)
         self.kernels = kernels
         for _, module in nnx.iter_modules(self):
-            if isinstance(module, (Linear, Embed)):
+            if isinstance(module, (Linear, Embed, RMSNorm)):
                 module.kernels = kernels
 
     def set_matmul_impl(self, impl: str) -> None:
