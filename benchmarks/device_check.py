@@ -186,13 +186,19 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
         q, _, k, v, meta = batches[f"decode {n} x {ctx}"]
         max_pages = meta.block_tables.shape[1]
         base = gpu.block_sizes(n, n, kvh, h // kvh, d, s.page_size, max_pages)
-        if i == 0:
-            variants = {dataclasses.replace(base, block_q=bq, num_splits=x) for bq in (1, base.block_q)
-                        for x in (1, 2, 4, 8, 16)}
-        else:  # sequences per program (1 and 2: a tile padded to MIN_ROWS rows) x tokens per iteration x stages
-            variants = {dataclasses.replace(base, block_q=bq, tokens_per_iter=t, num_stages=st)
-                        for bq in (1, 2, 4) for t in (32, 64, 128) for st in (2, 3)}
-            variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=w) for w in (2, 8)}
+        if i == 0:  # KV splits, a page at a time or gathered
+            variants = {dataclasses.replace(base, block_q=bq, num_splits=x, gather=g) for bq in (1, base.block_q)
+                        for x in (4, 8, 16) for g in (False, True)}
+        else:  # sequences per program (1 and 2: a tile padded to MIN_ROWS rows) x tokens per iteration, gathered
+            variants = {dataclasses.replace(base, block_q=bq, tokens_per_iter=t, gather=True)
+                        for bq in (1, 2, 4) for t in (64, 128, 256)}
+            variants |= {dataclasses.replace(base, block_q=bq, tokens_per_iter=128, num_warps=8, gather=True)
+                         for bq in (1, 4)}
+            variants |= {dataclasses.replace(base, block_q=bq, tokens_per_iter=128, num_stages=3, gather=True)
+                         for bq in (1, 4)}
+            # the page-at-a-time rows the last H100 sweep put first (1.35-1.37 ms)
+            variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=2),
+                         dataclasses.replace(base, block_q=4, tokens_per_iter=64, num_stages=3)}
         variants.add(base)
         kv_bytes = n * ctx * 2 * kvh * d * 2
         for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
@@ -222,7 +228,7 @@ def adopt_sweep_winner(part2: dict, s: Sizes) -> dict | None:
     h, kvh, d = s.heads
     key = gpu.table_key("decode", d)
     table_rows = best["block_q"] * gpu._pow2(h // kvh)  # tokens x the group, padded as the kernel pads it
-    gpu.BLOCK_TABLE[key] = (table_rows, best["tokens_per_iter"], best["num_warps"], best["num_stages"])
+    gpu.BLOCK_TABLE[key] = (table_rows, best["tokens_per_iter"], best["num_warps"], best["num_stages"], best["gather"])
     return {"key": list(key), "row": list(gpu.BLOCK_TABLE[key]), "from": best}
 
 
@@ -424,6 +430,8 @@ def _profile_prefill(llm: LLM, prompts: list[dict], logdir: Path) -> dict:
 
 def to_markdown(report: dict) -> str:
     lines = [f"# device_check: {report['device']} ({report['backend']}){' — smoke' if report['smoke'] else ''}", ""]
+    if report.get("xla_flags"):
+        lines += [f"XLA_FLAGS: `{report['xla_flags']}`", ""]
     for name, part in report["parts"].items():
         lines.append(f"## {name}: {'ok' if part.get('ok') else 'FAILED'}")
         rows = part.get("rows")
@@ -477,15 +485,21 @@ def main() -> None:
     p.add_argument("--adopt-sweep", action="store_true",
                    help="part 4 runs with part 2's fastest decode block sizes at its largest shape (run 2 first)")
     p.add_argument("--budget-s", type=float, help="seconds after which no part starts (a lent host's time limit)")
+    p.add_argument("--batches", help="part 4's decode batches, e.g. 1,32 (default: 1,32,128,256), each profiled")
     args = p.parse_args()
     global DEADLINE
     if args.budget_s:
         DEADLINE = T0 + args.budget_s
     compile_monitor.install()
     s = sizes(args.smoke)
+    if args.batches:
+        batches = tuple(int(b) for b in args.batches.split(","))
+        s = dataclasses.replace(s, batches=batches, profile_batches=batches, engine=s.engine | {
+            "token_buckets": tuple(sorted({*batches, s.prompt_len, s.engine["max_num_batched_tokens"]}))})
     device = device_profile()
     import flax
     report = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "smoke": args.smoke,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__},
               "parts": {}}
     parts = {"1 kernel parity": lambda: part_parity(s),
