@@ -186,19 +186,13 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
         q, _, k, v, meta = batches[f"decode {n} x {ctx}"]
         max_pages = meta.block_tables.shape[1]
         base = gpu.block_sizes(n, n, kvh, h // kvh, d, s.page_size, max_pages)
-        if i == 0:  # KV splits, a page at a time or gathered
-            variants = {dataclasses.replace(base, block_q=bq, num_splits=x, gather=g) for bq in (1, base.block_q)
-                        for x in (4, 8, 16) for g in (False, True)}
-        else:  # sequences per program (1 and 2: a tile padded to MIN_ROWS rows) x tokens per iteration, gathered
-            variants = {dataclasses.replace(base, block_q=bq, tokens_per_iter=t, gather=True)
-                        for bq in (1, 2, 4) for t in (64, 128, 256)}
-            variants |= {dataclasses.replace(base, block_q=bq, tokens_per_iter=128, num_warps=8, gather=True)
-                         for bq in (1, 4)}
-            variants |= {dataclasses.replace(base, block_q=bq, tokens_per_iter=128, num_stages=3, gather=True)
-                         for bq in (1, 4)}
-            # the page-at-a-time rows the last H100 sweep put first (1.35-1.37 ms)
-            variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=2),
-                         dataclasses.replace(base, block_q=4, tokens_per_iter=64, num_stages=3)}
+        if i == 0:  # KV splits
+            variants = {dataclasses.replace(base, block_q=bq, num_splits=x) for bq in (1, base.block_q)
+                        for x in (4, 8, 16)}
+        else:  # sequences per program (1 and 2: a tile padded to MIN_ROWS rows) x tokens per iteration x stages
+            variants = {dataclasses.replace(base, block_q=bq, tokens_per_iter=t, num_stages=st)
+                        for bq in (1, 2, 4) for t in (64, 128) for st in (2, 3)}
+            variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=2)}
         variants.add(base)
         kv_bytes = n * ctx * 2 * kvh * d * 2
         for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
@@ -228,7 +222,7 @@ def adopt_sweep_winner(part2: dict, s: Sizes) -> dict | None:
     h, kvh, d = s.heads
     key = gpu.table_key("decode", d)
     table_rows = best["block_q"] * gpu._pow2(h // kvh)  # tokens x the group, padded as the kernel pads it
-    gpu.BLOCK_TABLE[key] = (table_rows, best["tokens_per_iter"], best["num_warps"], best["num_stages"], best["gather"])
+    gpu.BLOCK_TABLE[key] = (table_rows, best["tokens_per_iter"], best["num_warps"], best["num_stages"])
     return {"key": list(key), "row": list(gpu.BLOCK_TABLE[key]), "from": best}
 
 

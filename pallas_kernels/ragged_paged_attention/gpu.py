@@ -43,7 +43,6 @@ class BlockSizes:
     num_warps: int
     num_stages: int
     num_splits: int = 1  # programs along the context, per (KV head, query block)
-    gather: bool = False  # an iteration's pages loaded as one tile (one gather), not a page at a time
 
     def pages_per_iter(self, page_size: int) -> int:
         return max(1, self.tokens_per_iter // page_size)
@@ -53,17 +52,18 @@ class BlockSizes:
 # of fewer than MIN_ROWS is padded to MIN_ROWS). Decode: a program per (KV head, block of block_q sequences) with
 # MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
 # blocks x 64-token blocks of pages. num_splits is set by `block_sizes`. On an H100 (bf16 cache, head_dim 128,
-# 256 sequences x 2048 tokens, 1.44 ms = 44% of HBM bandwidth) the decode row was the fastest of 64/128/256 tokens
-# per iteration x 4/8 warps and 1/2/3 stages (`benchmarks/device_check.py`'s sweep). A later sweep of 1, 2 and 4
-# sequences per program x 32/64/128 tokens x 2/3 stages put all 20 rows at 1.35-1.71 ms, within that run's noise
-# (the table's own row timed 1.59 and 1.76 ms in two runs), so the row stands.
-BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int, bool]] = {  # rows, tokens_per_iter, warps, stages, gather
-    ("decode", 64): (MIN_ROWS, 128, 4, 2, False),
-    ("decode", 128): (MIN_ROWS, 128, 4, 2, False),
-    ("decode", 256): (MIN_ROWS, 64, 4, 2, False),
-    ("prefill", 64): (128, 64, 4, 2, False),
-    ("prefill", 128): (128, 64, 8, 2, False),
-    ("prefill", 256): (64, 32, 8, 2, False),
+# 256 sequences x 2048 tokens; `benchmarks/device_check.py`'s sweep) the decode row, 4 sequences a program, 64
+# tokens an iteration, 3 pipeline stages, ran 1.14 ms (56% of HBM bandwidth), the fastest of 16 rows (the previous
+# row, 128 tokens in 2 stages: 1.21 ms), and among the fastest 3 of 20 in an earlier sweep; loading an
+# iteration's pages as one gathered [tokens, head_dim] tile, one dot each for QK and PV, was slower in every
+# shape tried (1.22-1.52 ms).
+BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
+    ("decode", 64): (MIN_ROWS, 128, 4, 2),
+    ("decode", 128): (MIN_ROWS, 64, 4, 3),
+    ("decode", 256): (MIN_ROWS, 64, 4, 2),
+    ("prefill", 64): (128, 64, 4, 2),
+    ("prefill", 128): (128, 64, 8, 2),
+    ("prefill", 256): (64, 32, 8, 2),
 }
 
 
@@ -83,19 +83,19 @@ def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     sequences x 1024 tokens: 8 splits 0.60 ms, 1-4 splits 0.67-0.74 ms, 16 splits 0.89 ms;
     `benchmarks/device_check.py`'s sweep)."""
     kind = "decode" if num_tokens <= num_seqs else "prefill"
-    rows, tokens_per_iter, warps, stages, gather = BLOCK_TABLE[table_key(kind, head_dim)]
+    rows, tokens_per_iter, warps, stages = BLOCK_TABLE[table_key(kind, head_dim)]
     block_q = max(1, rows // _pow2(group))
     splits = 1
     programs = num_kv_heads * -(-num_seqs // block_q)
     if kind == "decode" and programs < 2 * sm_count:
         pages_per_iter = max(1, tokens_per_iter // page_size)
         splits = max(1, min(-(-8 * sm_count // programs), max_pages // pages_per_iter, 32))
-    return BlockSizes(block_q, tokens_per_iter, warps, stages, splits, gather)
+    return BlockSizes(block_q, tokens_per_iter, warps, stages, splits)
 
 
 def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, window_ref, q_ref, k_ref, v_ref,
             *out_refs, group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
-            windowed: bool, soft_cap: float | None, normalise: bool, gather: bool):
+            windowed: bool, soft_cap: float | None, normalise: bool):
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape  # block_q * group real rows, then padding up to the tile's MIN_ROWS
     page_size = k_ref.shape[1]
@@ -130,27 +130,20 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, wi
             m, denom, acc = carry
             j0 = start + it * pages_per_iter
             scores, values = [], []
-            if gather:  # the iteration's pages as one [pages_per_iter * page_size, D] tile: one dot each for QK, PV
-                j = j0 + jnp.arange(pages_per_iter, dtype=jnp.int32)
-                pages = tables_ref[s * max_pages + jnp.minimum(j, stop - 1)]  # [pages_per_iter]
-                n = pages_per_iter * page_size
-                blocks = [(k_ref[pages].reshape(n, d), v_ref[pages].reshape(n, d), j0 * page_size)]
-            else:  # a page at a time: loads issued together, a dot per page
-                blocks = []
-                for i in range(pages_per_iter):
-                    page = tables_ref[s * max_pages + jnp.minimum(j0 + i, stop - 1)]  # past stop: a page read already
-                    blocks.append((k_ref[page], v_ref[page], (j0 + i) * page_size))
-            for k, v, first_pos in blocks:
-                sc = jax.lax.dot_general(q, k.astype(cdt), (((1,), (1,)), ((), ())), precision=precision,
-                                         preferred_element_type=jnp.float32)  # [rows, tokens]
+            for i in range(pages_per_iter):  # the iteration's pages: loads issued together
+                j = j0 + i
+                page = tables_ref[s * max_pages + jnp.minimum(j, stop - 1)]  # past stop: a page read already
+                k = k_ref[page].astype(cdt)  # [page_size, D]
+                sc = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                                         preferred_element_type=jnp.float32)  # [rows, page_size]
                 if soft_cap is not None:
                     sc = soft_cap * jnp.tanh(sc / soft_cap)
-                k_pos = first_pos + jnp.arange(k.shape[0], dtype=jnp.int32)
-                mask = in_seq[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < stop * page_size)
+                k_pos = j * page_size + jnp.arange(page_size, dtype=jnp.int32)
+                mask = in_seq[:, None] & (k_pos[None, :] <= q_pos[:, None]) & (j < stop)
                 if windowed:
                     mask &= k_pos[None, :] > q_pos[:, None] - window_ref[0]
                 scores.append(jnp.where(mask, sc, MASK_VALUE))
-                values.append(v.astype(cdt))
+                values.append(v_ref[page].astype(cdt))
             m_new = m
             for sc in scores:
                 m_new = jnp.maximum(m_new, sc.max(axis=1))
@@ -212,8 +205,6 @@ def ragged_paged_attention(
     if block_q < 1 or block_q & (block_q - 1):
         raise ValueError(f"block_q must be a power of two, got {block_q}")
     pages_per_iter = sizes.pages_per_iter(page_size)
-    if sizes.gather and pages_per_iter & (pages_per_iter - 1):
-        raise ValueError(f"a gathered tile needs a power-of-two number of pages per iteration, got {pages_per_iter}")
     num_blocks = -(-t // block_q)
     t_pad = num_blocks * block_q
     real = block_q * gp
@@ -232,8 +223,7 @@ def ragged_paged_attention(
     normalise = splits == 1
     kernel = functools.partial(_kernel, group=gp, block_q=block_q, max_pages=max_pages,
                                pages_per_iter=pages_per_iter, sm_scale=sm_scale,
-                               windowed=sliding_window is not None, soft_cap=soft_cap, normalise=normalise,
-                               gather=sizes.gather)
+                               windowed=sliding_window is not None, soft_cap=soft_cap, normalise=normalise)
     whole = [pl.BlockSpec(x.shape, lambda hh, bb, ss: (0,)) for x in ints]
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda hh, bb, ss: (hh, 0, 0, 0))
     if normalise:

@@ -56,17 +56,16 @@ def test_tpu_kernel_small_pages():
 # Block sizes beyond the table's defaults at these small shapes: several pages per iteration (an iteration
 # crossing the end of a context, and its first page cut by a window), flash-decoding splits (3 splits over
 # contexts of 1-8 pages: some splits empty), larger query blocks, and blocks of 1 or 2 tokens whose 4 or 8 query
-# rows (group 4) are padded to a 16-row tile; an iteration's pages gathered into one tile.
+# rows (group 4) are padded to a 16-row tile.
 GPU_SIZES = [gpu.BlockSizes(4, 32, 4, 2, 1), gpu.BlockSizes(4, 64, 4, 2, 3), gpu.BlockSizes(8, 48, 4, 2, 2),
-             gpu.BlockSizes(16, 16, 4, 2, 1), gpu.BlockSizes(1, 32, 4, 2, 2), gpu.BlockSizes(2, 16, 4, 2, 1),
-             gpu.BlockSizes(4, 64, 4, 2, 3, gather=True), gpu.BlockSizes(1, 32, 4, 2, 1, gather=True)]
+             gpu.BlockSizes(16, 16, 4, 2, 1), gpu.BlockSizes(1, 32, 4, 2, 2), gpu.BlockSizes(2, 16, 4, 2, 1)]
 GPU_CASES = [(kind, sizes, options) for kind in ("decode", "prefill", "mixed") for sizes in GPU_SIZES
              for options in ({}, {"sliding_window": 19, "soft_cap": 5.0})]
 
 
 @pytest.mark.parametrize(("kind", "sizes", "options"), GPU_CASES[::2] + GPU_CASES[1::6],
                          ids=lambda x: str(x) if not isinstance(x, gpu.BlockSizes) else
-                         f"bq{x.block_q}-kv{x.tokens_per_iter}-s{x.num_splits}{'-gather' * x.gather}")
+                         f"bq{x.block_q}-kv{x.tokens_per_iter}-s{x.num_splits}")
 def test_gpu_block_sizes(kind, sizes, options):
     case = make_case(kind, num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
     expected = run(reference.ragged_paged_attention, case, **options)
@@ -102,13 +101,12 @@ def test_gpu_block_sizes_come_from_the_table():
     splits, when the grid has fewer than 2 programs per SM, for ~8; prefill and mixed shapes the prefill row
     (128-row tiles), one split."""
     llama8b = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, max_pages=2048)
-    rows, per_iter, warps, stages, gather = gpu.BLOCK_TABLE[("decode", 128)]
+    rows, per_iter, warps, stages = gpu.BLOCK_TABLE[("decode", 128)]
     one = gpu.block_sizes(1, 1, **llama8b)
-    assert (one.block_q * 4, one.tokens_per_iter, one.num_warps, one.num_stages, one.gather) == (
-        rows, per_iter, warps, stages, gather)
+    assert (one.block_q * 4, one.tokens_per_iter, one.num_warps, one.num_stages) == (rows, per_iter, warps, stages)
     assert one.num_splits == 32  # 8 programs: 132 wanted, capped at 32
     assert gpu.block_sizes(32, 32, **llama8b).num_splits == 17  # 64 programs
-    assert gpu.block_sizes(64, 64, **dict(llama8b, max_pages=64)).num_splits == 8  # 128 programs; 8 iterations
+    assert gpu.block_sizes(64, 64, **dict(llama8b, max_pages=32)).num_splits == 8  # 128 programs; 8 iterations
     assert gpu.block_sizes(256, 256, **llama8b).num_splits == 1  # 512 programs fill the SMs already
     prefill = gpu.block_sizes(2048, 256, **llama8b)
     assert (prefill.block_q, prefill.num_splits) == (gpu.BLOCK_TABLE[("prefill", 128)][0] // 4, 1)
@@ -133,8 +131,6 @@ def test_gpu_kernel_rejects_shapes_triton_cannot_tile():
     case = make_case("decode", num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
     with pytest.raises(ValueError, match="block_q must be a power of two, got 3"):
         run(functools.partial(gpu.ragged_paged_attention, sizes=gpu.BlockSizes(3, 16, 4, 2)), case)
-    with pytest.raises(ValueError, match="power-of-two number of pages"):
-        run(functools.partial(gpu.ragged_paged_attention, sizes=gpu.BlockSizes(4, 48, 4, 2, gather=True)), case)
 
 
 # Engine-sized shapes: (tokens, sequences, page_size, pages in the cache, dtype); 32 heads / 8 KV heads, D=128.
