@@ -9,6 +9,7 @@ four separate device puts (~0.5 ms of host time a step).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -56,19 +57,29 @@ class AttentionMetadata:
         if sum(query_lens) > num_tokens or n > num_seqs:
             raise ValueError(f"{sum(query_lens)} tokens / {n} sequences do not fit the shape "
                              f"({num_tokens}, {num_seqs})")
-        slots = np.full(num_tokens, -1, np.int32)
+        if not len(context_lens) == len(block_tables) == n:
+            raise ValueError(f"{n} query lengths, {len(context_lens)} context lengths, {len(block_tables)} tables")
+        # vectorised over the step (a Python loop per sequence cost a 256-sequence decode step ~2 ms of host time)
+        q = np.fromiter(query_lens, np.int64, n)
+        ctx = np.fromiter(context_lens, np.int64, n)
+        pages = np.fromiter(map(len, block_tables), np.int64, n)
+        short = np.flatnonzero(pages * page_size < ctx)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"sequence {i}: {pages[i]} pages cannot hold {ctx[i]} tokens")
+        if n and pages.max() > max_pages:
+            raise ValueError(f"a table of {pages.max()} pages does not fit {max_pages} pages a sequence")
         tables = np.zeros((num_seqs, max_pages), np.int32)
+        tables[:n][np.arange(max_pages) < pages[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int32, int(pages.sum()))
         kv_lens = np.zeros(num_seqs, np.int32)
+        kv_lens[:n] = ctx
         qsl = np.zeros(num_seqs + 1, np.int32)
-        t = 0
-        for i, (q, ctx, table) in enumerate(zip(query_lens, context_lens, block_tables, strict=True)):
-            if len(table) * page_size < ctx:
-                raise ValueError(f"sequence {i}: {len(table)} pages cannot hold {ctx} tokens")
-            pos = np.arange(ctx - q, ctx)
-            slots[t:t + q] = np.asarray(table, np.int32)[pos // page_size] * page_size + pos % page_size
-            tables[i, :len(table)] = table
-            kv_lens[i] = ctx
-            t += q
-            qsl[i + 1] = t
+        np.cumsum(q, out=qsl[1:n + 1])
+        t = int(qsl[n])
         qsl[n + 1:] = t
+        seq = np.repeat(np.arange(n), q)  # [t] the sequence of each token
+        pos = np.arange(t) - qsl[seq] + (ctx - q)[seq]  # each token's position in its sequence
+        slots = np.full(num_tokens, -1, np.int32)
+        slots[:t] = tables[seq, pos // page_size] * page_size + pos % page_size
         return cls(slots, tables, kv_lens, qsl)

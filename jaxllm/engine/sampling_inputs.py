@@ -43,27 +43,33 @@ class SamplingInputs:
     def build(self, rows: list[Sequence], s: int, ahead: int = 0) -> SamplingTensors:
         """rows: the sequences that get a token, in row order, padded to `s` rows; ahead: tokens each has beyond
         its host state (a step dispatched before the previous one's tokens were read back)."""
-        f32 = np.zeros(s, np.float32)
-        temperature, top_p, min_p = f32.copy(), np.ones(s, np.float32), f32.copy()
-        rep, freq, pres = np.ones(s, np.float32), f32.copy(), f32.copy()
-        top_k, steps, num_prompt = (np.zeros(s, np.int32) for _ in range(3))
+        n = len(rows)
+        params = [seq.params for seq in rows]
+
+        def column(values, dtype, fill=0) -> np.ndarray:  # a field of every row, padded to s (one C-level fill)
+            out = np.full(s, fill, dtype)
+            out[:n] = values
+            return out
+        temperature = column([0.0 if p.greedy else p.temperature for p in params], np.float32)
+        top_k = column([p.top_k for p in params], np.int32)
+        top_p = column([p.top_p for p in params], np.float32, 1)
+        min_p = column([p.min_p for p in params], np.float32)
+        rep = column([p.repetition_penalty for p in params], np.float32, 1)
+        freq = column([p.frequency_penalty for p in params], np.float32)
+        pres = column([p.presence_penalty for p in params], np.float32)
         seeds = np.zeros((s, 2), np.uint32)
-        choices = np.zeros(s, np.int32)
-        any_penalty = any_filter = any_bias = any_random = any_logprobs = False
-        for i, seq in enumerate(rows):
-            p = seq.params
-            temperature[i] = 0.0 if p.greedy else p.temperature
-            top_k[i], top_p[i], min_p[i] = p.top_k, p.top_p, p.min_p
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-            seed = seq.request.seed % (1 << 64)
-            seeds[i] = (seed % UINT32, seed // UINT32)
-            choices[i], steps[i] = seq.index, seq.num_output_tokens + ahead
-            num_prompt[i] = seq.num_prompt_tokens
-            any_penalty |= p.uses_penalties
-            any_filter |= (not p.greedy) and p.uses_filters
-            any_random |= not p.greedy
-            any_logprobs |= p.logprobs is not None
-            any_bias |= bool(p.logit_bias) or seq.num_output_tokens + ahead < p.min_tokens
+        seed = [seq.request.seed % (1 << 64) for seq in rows]
+        seeds[:n, 0] = [x % UINT32 for x in seed]
+        seeds[:n, 1] = [x // UINT32 for x in seed]
+        choices = column([seq.index for seq in rows], np.int32)
+        outputs = [seq.num_output_tokens + ahead for seq in rows]
+        steps = column(outputs, np.int32)
+        num_prompt = column([seq.num_prompt_tokens for seq in rows], np.int32)
+        any_penalty = any(p.uses_penalties for p in params)
+        any_random = not all(p.greedy for p in params)
+        any_filter = any((not p.greedy) and p.uses_filters for p in params)
+        any_logprobs = any(p.logprobs is not None for p in params)
+        any_bias = any(bool(p.logit_bias) or k < p.min_tokens for p, k in zip(params, outputs, strict=True))
         history = self._history(rows, s) if any_penalty else self.no_history[s]
         bias_ids, bias_values = self._bias(rows, s, ahead) if any_bias else self.no_bias[s]
         constrained = [(seq.matcher, i) for i, seq in enumerate(rows) if seq.matcher is not None]

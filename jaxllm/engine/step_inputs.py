@@ -77,22 +77,26 @@ class StepInputBuilder:
         logit_rows = np.zeros(s, np.int32)
         drafts = step.drafts or [[]] * len(step.seqs)
         samples: list[tuple[int, list[int]]] = []  # per row: its first sample row, its drafts
+        tokens: list[int] = []  # the step's ids, when the host knows them (not ahead)
+        starts: list[int] = []
         at = num_samples = 0
         for seq, n, drafted in zip(step.seqs, step.num_new_tokens, drafts, strict=True):
             start = seq.num_computed_tokens + ahead
+            starts.append(start)
             if not ahead:
-                ids[at:at + n - len(drafted)] = seq.token_ids[start:start + n - len(drafted)]
-                ids[at + n - len(drafted):at + n] = drafted
-            mm = seq.request.mm
-            if mm is not None:
-                positions[:, at:at + n] = mm.position_rows(start, n)
-                for im in mm.images_in(start, start + n):
-                    if images is None:
-                        images = np.zeros(self.no_images[t].shape, self.no_images[t].dtype)
-                    a, b = max(start, im.offset), min(start + n, im.end)
-                    images[:, at + a - start:at + b - start] = embeds[im.hash][:, a - im.offset:b - im.offset]
-            else:
-                positions[..., at:at + n] = np.arange(start, start + n)
+                tokens += seq.token_ids[start:start + n - len(drafted)]
+                tokens += drafted
+            if self.mrope:  # positions per sequence: its images' rows, or its text's on all three axes
+                mm = seq.request.mm
+                if mm is not None:
+                    positions[:, at:at + n] = mm.position_rows(start, n)
+                    for im in mm.images_in(start, start + n):
+                        if images is None:
+                            images = np.zeros(self.no_images[t].shape, self.no_images[t].dtype)
+                        a, b = max(start, im.offset), min(start + n, im.end)
+                        images[:, at + a - start:at + b - start] = embeds[im.hash][:, a - im.offset:b - im.offset]
+                else:
+                    positions[:, at:at + n] = np.arange(start, start + n)
             at += n
             # the chunk reaches the end (its drafts included): sample
             if start + n == seq.num_tokens + ahead + len(drafted) and seq.pooled is None:
@@ -100,9 +104,15 @@ class StepInputBuilder:
                 rows.append(seq)
                 samples.append((num_samples, drafted))
                 num_samples += 1 + len(drafted)
+        if not ahead:
+            ids[:at] = tokens
+        if not self.mrope:  # vectorised: a call per sequence cost a 256-sequence step ~0.5 ms of host time
+            q = np.fromiter(step.num_new_tokens, np.int64, len(starts))
+            first = np.cumsum(q) - q  # each sequence's first row in the step
+            positions[:at] = np.arange(at) + np.repeat(np.asarray(starts, np.int64) - first, q)
         meta = AttentionMetadata.build(
-            query_lens=step.num_new_tokens, context_lens=[q.num_computed_tokens + ahead + n for q, n in
-                                                          zip(step.seqs, step.num_new_tokens, strict=True)],
+            query_lens=step.num_new_tokens,
+            context_lens=[a + n for a, n in zip(starts, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
         if not ahead and any(q.request.prompt_logprobs is not None for q in step.seqs):
