@@ -462,6 +462,11 @@ def _profile_markdown(case: str, prof: dict) -> list[str]:
     keys = list(prof["top"][0]) if prof["top"] else []
     lines += ["", "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     lines += ["| " + " | ".join(str(v) for v in r.values()) + " |" for r in prof["top"]]
+    if prof.get("host_top"):
+        lines += ["", "host events (inclusive; nested events each count their span):", "",
+                  "| event | thread | calls a step | ms a step |", "|---|---|---|---|"]
+        lines += [f"| {r['event']} | {r['thread']} | {r['calls_per_step']} | {r['ms_per_step']} |"
+                  for r in prof["host_top"]]
     return lines + [""]
 
 

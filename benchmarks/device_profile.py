@@ -86,6 +86,30 @@ def device_events(trace_file: str) -> tuple[list[Event], dict]:
     return events, seen
 
 
+def host_events(trace_file: str, steps: int, top: int = 14) -> list[dict]:
+    """The host's dearest events of a trace, by name: calls and inclusive ms a step; the `top` Python frames and
+    the `top` events of the runtime's threads (on a GPU, its work to launch a step, e.g. updating CUDA graphs).
+    Nested events each count their whole span; the profiler's own frames are left out."""
+    from jax.profiler import ProfileData
+    totals: dict[tuple[str, bool], list] = {}
+    for plane in ProfileData.from_file(trace_file).planes:
+        if plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            python = line.name == "python"
+            for ev in line.events:
+                if ev.duration_ns > 0 and not (python and ("profiler.py" in ev.name or "contextlib" in ev.name)):
+                    row = totals.setdefault((ev.name[:90], python), [0, 0.0, line.name[:40]])
+                    row[0] += 1
+                    row[1] += ev.duration_ns
+    rows = []
+    for python in (True, False):
+        mine = sorted(((k[0], v) for k, v in totals.items() if k[1] == python), key=lambda kv: -kv[1][1])[:top]
+        rows += [{"event": name, "thread": thread, "calls_per_step": round(n / steps, 2),
+                  "ms_per_step": round(total / steps / 1e6, 3)} for name, (n, total, thread) in mine]
+    return rows
+
+
 def hlo_ops(text: str) -> dict[str, OpInfo]:
     """Each kernel of a compiled program (`Compiled.as_text()`) by its instruction name: kind, launches a step,
     bytes a launch."""
@@ -201,6 +225,8 @@ def profile(run: Callable[[], object], logdir: str | Path, hlo_texts: list[str],
     for text in hlo_texts:
         ops |= hlo_ops(text)
     out = summarize(events, ops, steps)
+    if "steps" in out:
+        out["host_top"] = host_events(files[-1], out["steps"])
     out["planes"] = {name: lines[:8] for name, lines in seen.items()}
     out["sample_events"] = [dataclasses.asdict(e) for e in events[:5]]  # what the trace names a kernel by
     return out
