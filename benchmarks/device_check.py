@@ -41,7 +41,7 @@ from flax import nnx
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
-from jaxllm.engine import compile_monitor
+from jaxllm.engine import compile_monitor, step_options
 from jaxllm.kernels import attention_kernel, choose_kernels
 from jaxllm.loading.weights import abstract_model
 from jaxllm.models.llama import LlamaForCausalLM
@@ -426,6 +426,8 @@ def to_markdown(report: dict) -> str:
     lines = [f"# device_check: {report['device']} ({report['backend']}){' — smoke' if report['smoke'] else ''}", ""]
     if report.get("xla_flags"):
         lines += [f"XLA_FLAGS: `{report['xla_flags']}`", ""]
+    if report.get("step_options"):
+        lines += [f"step options (GPU): `{report['step_options']}`", ""]
     for name, part in report["parts"].items():
         lines.append(f"## {name}: {'ok' if part.get('ok') else 'FAILED'}")
         rows = part.get("rows")
@@ -484,12 +486,18 @@ def main() -> None:
     p.add_argument("--adopt-sweep", action="store_true",
                    help="part 4 runs with part 2's fastest decode block sizes at its largest shape (run 2 first)")
     p.add_argument("--budget-s", type=float, help="seconds after which no part starts (a lent host's time limit)")
+    p.add_argument("--step-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA option the GPU step compiles with (replaces jaxllm.engine.step_options' value; "
+                        "true/false for booleans): an A/B of the step's options")
     p.add_argument("--batches", help="part 4's decode batches, e.g. 1,32 (default: 1,32,128,256), each profiled")
     args = p.parse_args()
     global DEADLINE
     if args.budget_s:
         DEADLINE = T0 + args.budget_s
     compile_monitor.install()
+    for option in args.step_option:
+        name, _, value = option.partition("=")
+        step_options.GPU_OPTIONS[name] = {"true": True, "false": False}.get(value.lower(), value)
     s = sizes(args.smoke)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
@@ -498,7 +506,7 @@ def main() -> None:
     device = device_profile()
     import flax
     report = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "smoke": args.smoke,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_options": step_options.GPU_OPTIONS,
               "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__},
               "parts": {}}
     parts = {"1 kernel parity": lambda: part_parity(s),

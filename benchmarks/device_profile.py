@@ -96,7 +96,7 @@ def host_events(trace_file: str, steps: int, top: int = 14) -> list[dict]:
         if plane.name.startswith("/device:"):
             continue
         for line in plane.lines:
-            python = line.name == "python"
+            python = line.name.startswith("python")
             for ev in line.events:
                 if ev.duration_ns > 0 and not (python and ("profiler.py" in ev.name or "contextlib" in ev.name)):
                     row = totals.setdefault((ev.name[:90], python), [0, 0.0, line.name[:40]])

@@ -221,7 +221,7 @@ class LlamaForCausalLM(nnx.Module):
             rows = self.lm_head.weight[...][index]
         else:
             return self.logits(last)[:, index]
-        return (last.astype(jnp.float32) @ rows.astype(jnp.float32).T).astype(jnp.float32)
+        return jnp.matmul(last.astype(jnp.float32), rows.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
 
     def __call__(self, input_ids: jax.Array, positions: jax.Array | None = None,
                  attention_mask: jax.Array | None = None, inputs_embeds: jax.Array | None = None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import take_layer
+from pallas_kernels import dot_precision, take_layer
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, QuantFormat, QuantizedWeight
 
 
@@ -49,7 +49,7 @@ def layer_of(w: QuantizedWeight, layer: jax.Array | None) -> QuantizedWeight:
 
 
 def _dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x))
 
 
 def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array | None = None) -> jax.Array:

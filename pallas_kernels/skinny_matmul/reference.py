@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import jax
 
-from pallas_kernels import take_layer
+from pallas_kernels import dot_precision, take_layer
 
 
 def matmul(x: jax.Array, w: jax.Array, layer: jax.Array | None = None) -> jax.Array:
     """x [..., in], w [out, in] (or [layers, out, in] with `layer`: [] int32, or an int) -> [..., out]."""
     if layer is not None:
         w = take_layer(w, layer)
-    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())), precision=dot_precision(x))
