@@ -40,6 +40,8 @@ class RopeConfig:
     # the sections are consecutive runs).
     mrope_section: tuple[int, ...] | None = None
     mrope_interleaved: bool = False
+    # The share of each head's dimensions that rotates (Phi-3.5, Phi-4-mini: 0.75); the rest passes through.
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -48,6 +50,8 @@ class RopeConfig:
             )
         if self.theta <= 0 or self.factor <= 0:
             raise ConfigError(f"rope theta and factor must be positive, got {self.theta} and {self.factor}")
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ConfigError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", tuple(int(v) for v in self.mrope_section))
             if len(self.mrope_section) != 3:
@@ -66,6 +70,8 @@ class RopeConfig:
         rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
         if rope_type == "mrope":  # Qwen2-VL's flat configs name it a type; the frequencies are the default ones
             rope_type = "default"
+        if "partial_rotary_factor" not in params and hf.get("partial_rotary_factor") is not None:
+            params["partial_rotary_factor"] = hf["partial_rotary_factor"]
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in params.items() if k in names and v is not None}
         return cls(theta=float(theta), rope_type=rope_type, **kwargs)

@@ -19,6 +19,9 @@ ARCHITECTURE_CASES = {
     "mistral": ("MistralConfig", dict(sliding_window=6, head_dim=16)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=False)),
     "qwen3": ("Qwen3Config", dict(head_dim=24, tie_word_embeddings=False)),
+    # fused qkv/gate_up checkpoint tensors, half of each head rotating, a window shorter than the prompts
+    "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=6, pad_token_id=0, bos_token_id=1,
+                                eos_token_id=2, tie_word_embeddings=False)),
     # 8 heads / 4 KV heads: tensor parallel 2 and 4 divide both.
     "qwen2_tp": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }

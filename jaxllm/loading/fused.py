@@ -1,10 +1,15 @@
-"""Checkpoint tensors the model keeps fused: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj.
+"""Checkpoint tensors the model keeps fused: q/k/v_proj -> qkv_proj, gate/up_proj -> gate_up_proj; and checkpoint
+tensors fused in another order (Phi-3's qkv_proj: all q rows, then k, then v), split into those parts first.
 
 The row orders are those the model documents (`jaxllm.models.attention.Attention`, `jaxllm.models.llama.MLP`):
 qkv rows grouped by KV head ``[kv_heads, group + 2, head_dim]``, gate/up rows interleaved ``[mlp, 2]``.
 """
 
 from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -33,3 +38,50 @@ def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
                                   v.reshape(kvh, 1, d, *tail)], axis=1)  # [kv_heads, group + 2, head_dim, ...]
         return grouped.reshape(-1, *tail)
     return np.stack(parts, axis=1).reshape(-1, *tail)  # [mlp, 2, ...] -> [2 * mlp, ...]
+
+
+def split_rows(parts: tuple[str, ...], cfg: ModelConfig) -> list[int]:
+    """The rows of each part, in order, of a checkpoint tensor that stacks `parts` (q_proj, k_proj, v_proj;
+    gate_proj, up_proj)."""
+    rows = {"q_proj": cfg.num_heads * cfg.head_dim, "k_proj": cfg.num_kv_heads * cfg.head_dim,
+            "v_proj": cfg.num_kv_heads * cfg.head_dim, "gate_proj": cfg.intermediate_size,
+            "up_proj": cfg.intermediate_size}
+    return [rows[p] for p in parts]
+
+
+class _Shared:
+    """One checkpoint tensor read once for several parts (on the loader threads) and dropped after the last."""
+
+    def __init__(self, load: Callable[[], np.ndarray], readers: int):
+        self.load, self.left, self.value, self.lock = load, readers, None, threading.Lock()
+
+    def rows(self, start: int, stop: int, total: int) -> np.ndarray:
+        with self.lock:
+            if self.value is None:
+                self.value = np.asarray(self.load())
+                if self.value.shape[0] != total:  # the config and the checkpoint disagree: the loader says so
+                    self.left, value, self.value = 0, self.value, None
+                    return value
+            part = np.array(self.value[start:stop])
+            self.left -= 1
+            if self.left == 0:
+                self.value = None
+            return part
+
+
+def split(tensors: Iterable[tuple[str, Callable, str]], stacked: Mapping[str, tuple[str, ...]], cfg: ModelConfig
+          ) -> Iterator[tuple[str, Callable, str]]:
+    """Checkpoint tensors whose module stacks several of the model's parts (`FamilySpec.split`: module -> parts,
+    in row order) -> one tensor per part, named as that part's module; the others as they are."""
+    for name, load, source in tensors:
+        pieces = name.split(".")
+        module = pieces[-2] if len(pieces) > 1 else ""
+        if module not in stacked:
+            yield name, load, source
+            continue
+        rows = split_rows(stacked[module], cfg)
+        shared, start = _Shared(load, len(rows)), 0
+        for part, n in zip(stacked[module], rows, strict=True):
+            read = functools.partial(shared.rows, start, start + n, sum(rows))
+            yield ".".join([*pieces[:-2], part, pieces[-1]]), read, source
+            start += n

@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from jaxllm.config import ModelConfig
 from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
-from jaxllm.loading.fused import NUM_PARTS, fuse, part_shapes
+from jaxllm.loading.fused import NUM_PARTS, fuse, part_shapes, split
 from jaxllm.loading.quantize import HostQuantized, convert
 from jaxllm.models.family import LLAMA_FUSED
 from jaxllm.models.llama import LlamaForCausalLM, QuantPlan
@@ -209,7 +209,7 @@ def assemble_model(
         """The variable's local region without its layer axis (a stacked variable's layers are all local)."""
         return regions[path][0 if layer is None else 1:]
     entries = []  # (variable path, layer, part, name, load, source, expected shape)
-    for name, load, source in tensors:
+    for name, load, source in split(tensors, spec.split, cfg):
         mapped = hf_name_to_path(name, spec.fused)
         if mapped is None or IGNORED.match(name):
             continue

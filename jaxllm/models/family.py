@@ -54,6 +54,9 @@ class FamilySpec:
     gguf_layer_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_GGUF_LAYER_NAMES)
     gguf_top_names: Mapping[str, str] = dataclasses.field(default_factory=lambda: LLAMA_GGUF_TOP_NAMES)
     fused: Mapping[str, tuple[str, int]] = dataclasses.field(default_factory=lambda: LLAMA_FUSED)
+    # Checkpoint modules that stack several of the parts above in another order (Phi-3's qkv_proj: q, k, v rows
+    # one after another), split into those parts as they load: module -> parts in row order.
+    split: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     quantizable: tuple[str, ...] = LLAMA_QUANTIZABLE
 
     def read_config(self, hf: dict[str, Any]) -> ModelConfig:

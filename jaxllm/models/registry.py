@@ -13,6 +13,7 @@ from jaxllm.models.family import FamilySpec
 FAMILIES = (
     "llama",
     "mistral",
+    "phi3",
     "qwen2",
     "qwen3",
 )

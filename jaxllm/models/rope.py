@@ -14,8 +14,14 @@ import numpy as np
 from jaxllm.config import RopeConfig
 
 
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """The leading dimensions of a head that rotate (all of them unless `partial_rotary_factor` < 1)."""
+    return int(head_dim * rope.partial_rotary_factor)
+
+
 def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float]:
-    """Returns (inv_freq [head_dim // 2], attention_factor that scales cos and sin)."""
+    """Returns (inv_freq [rotary_dim // 2], attention_factor that scales cos and sin)."""
+    head_dim = rotary_dim(rope, head_dim)
     exponents = np.arange(0, head_dim, 2, dtype=np.float32) / head_dim
     inv_freq = 1.0 / (rope.theta ** exponents)
     if rope.freq_factors is not None:
@@ -80,7 +86,7 @@ def mrope_axes(sections: tuple[int, ...], interleaved: bool = False) -> np.ndarr
 
 def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor: float,
                  mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
-    """positions [...] -> cos, sin [..., head_dim] (float32). With `mrope_section`, positions are [3, ...]
+    """positions [...] -> cos, sin [..., rotary_dim] (float32). With `mrope_section`, positions are [3, ...]
     (temporal, height, width) and each frequency slot takes its axis (`mrope_axes`)."""
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., head_dim // 2]
     if mrope_section is not None:  # [3, ..., head_dim // 2] -> [..., head_dim // 2]: a 0/1 selection, exact
@@ -91,7 +97,11 @@ def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor:
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """x [..., heads, head_dim]; cos/sin [..., head_dim] broadcast over heads."""
+    """x [..., heads, head_dim]; cos/sin [..., rotary_dim] broadcast over heads: the first rotary_dim dimensions
+    rotate, the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return jnp.concatenate([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[..., None, :], sin[..., None, :]

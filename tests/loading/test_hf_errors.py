@@ -71,7 +71,8 @@ def test_unknown_architecture(copy_of):
     folder = copy_of()
     _edit_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(LoadError, match=r"config.json: unsupported architecture 'GPT2LMHeadModel'; supported: "
-                                        r"LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+                                        r"LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+                                        r"Qwen3ForCausalLM"):
         load_model(folder)
 
 
@@ -97,5 +98,23 @@ def test_missing_tensor(copy_of):
 def test_unsupported_rope_type(copy_of):
     folder = copy_of()
     _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
+    with pytest.raises(LoadError, match=r"unsupported rope_scaling type 'longrope'"):
+        load_model(folder)
+
+
+def test_a_stacked_checkpoint_tensor_that_disagrees_with_the_config(copy_of):
+    """Phi-3 keeps q/k/v in one tensor, split by the config's head counts as it loads: a config with other counts
+    is refused with the tensor's name and shape, not loaded into the wrong rows."""
+    folder = copy_of("phi3")
+    _edit_config(folder, num_key_value_heads=1)
+    with pytest.raises(LoadError, match=r"tensor 'model.layers.0.self_attn.q_proj.weight' has shape \(128, 64\), "
+                                        r"but the config implies \(64, 64\)"):
+        load_model(folder)
+
+
+def test_longrope_is_refused_by_name(copy_of):
+    folder = copy_of("phi3")
+    _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 64})
     with pytest.raises(LoadError, match=r"unsupported rope_scaling type 'longrope'"):
         load_model(folder)
