@@ -106,7 +106,7 @@ class StepInputBuilder:
                 num_samples += 1 + len(drafted)
         if not ahead:
             ids[:at] = tokens
-        if not self.mrope:  # vectorised: a call per sequence cost a 256-sequence step ~0.5 ms of host time
+        if not self.mrope:  # one array operation over the step, not a numpy call per sequence
             q = np.fromiter(step.num_new_tokens, np.int64, len(starts))
             first = np.cumsum(q) - q  # each sequence's first row in the step
             positions[:at] = np.arange(at) + np.repeat(np.asarray(starts, np.int64) - first, q)
