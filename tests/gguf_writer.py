@@ -103,3 +103,55 @@ def write_synthetic_llama_gguf(path: Path, *, layers: int, hidden: int, ffn: int
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: bool = False) -> Path:
+    """A phi3 GGUF as llama.cpp's converter writes one: q/k/v stacked in `attn_qkv` and gate/up in `ffn_up`
+    (Hugging Face's row order, no permutation), the rotary dimensions and the sliding window in the metadata.
+    spm_vocab: a SentencePiece vocabulary as real Phi-3 files have (llama.cpp needs it or BPE merges; jaxllm's GGUF
+    tokenizer reads byte-level BPE only, so the tests' files carry a BPE vocabulary without merges)."""
+    cfg = hf_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    w = gguf.GGUFWriter(str(path), "phi3")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
+    if spm_vocab:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, cfg.vocab_size)])
+        w.add_token_scores([0.0] * cfg.vocab_size)
+        w.add_token_types([2, 3, 3] + [1] * (cfg.vocab_size - 3))
+        w.add_unk_token_id(0)
+        w.add_bos_token_id(1)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        w.add_token_list([f"<tok{i}>" for i in range(cfg.vocab_size)])
+        w.add_token_types([1] * cfg.vocab_size)
+    w.add_eos_token_id(2)
+    names = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF}
+    for name, tensor in hf_model.state_dict().items():
+        a = tensor.numpy().astype(np.float32)
+        parts = name.split(".")
+        if parts[1] == "layers":
+            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        if a.ndim == 2 and weight_type != T.F32:
+            w.add_tensor(gname, quants.quantize(a, weight_type), raw_dtype=weight_type)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -55,14 +55,19 @@ class _Shared:
     def __init__(self, load: Callable[[], np.ndarray], readers: int):
         self.load, self.left, self.value, self.lock = load, readers, None, threading.Lock()
 
-    def rows(self, start: int, stop: int, total: int) -> np.ndarray:
+    def rows(self, start: int, stop: int, total: int):
+        """Rows [start, stop) of the tensor: a float array, or a GGUF tensor kept quantized (`HostQuantized`)."""
         with self.lock:
             if self.value is None:
-                self.value = np.asarray(self.load())
+                value = self.load()
+                self.value = value if hasattr(value, "map_rows") else np.asarray(value)
                 if self.value.shape[0] != total:  # the config and the checkpoint disagree: the loader says so
                     self.left, value, self.value = 0, self.value, None
                     return value
-            part = np.array(self.value[start:stop])
+            if hasattr(self.value, "map_rows"):
+                part = self.value.map_rows(lambda a: np.array(a[start:stop]))
+            else:
+                part = np.array(self.value[start:stop])
             self.left -= 1
             if self.left == 0:
                 self.value = None

@@ -60,6 +60,10 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
             rope_kwargs["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
     elif scaling != "none":
         raise LoadError(f"{g.path}: unsupported rope scaling type {scaling!r}")
+    head_dim = int(get("attention.key_length", hidden // heads))
+    rotary = meta.get(f"{arch}.rope.dimension_count")
+    if rotary and int(rotary) != head_dim:  # Phi-3.5 / Phi-4-mini rotate a leading share of each head
+        rope_kwargs["partial_rotary_factor"] = int(rotary) / head_dim
     if "rope_freqs.weight" in g.tensors:
         rope_kwargs["freq_factors"] = tuple(float(x) for x in g.load("rope_freqs.weight"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
@@ -74,7 +78,7 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
             num_layers=int(get("block_count")),
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
+            head_dim=head_dim,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             max_position_embeddings=int(get("context_length", 4096)),
             rope=RopeConfig(**rope_kwargs),
