@@ -108,8 +108,8 @@ def write_synthetic_llama_gguf(path: Path, *, layers: int, hidden: int, ffn: int
 def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: bool = False) -> Path:
     """A phi3 GGUF as llama.cpp's converter writes one: q/k/v stacked in `attn_qkv` and gate/up in `ffn_up`
     (Hugging Face's row order, no permutation), the rotary dimensions and the sliding window in the metadata.
-    spm_vocab: a SentencePiece vocabulary as real Phi-3 files have (llama.cpp needs it or BPE merges; jaxllm's GGUF
-    tokenizer reads byte-level BPE only, so the tests' files carry a BPE vocabulary without merges)."""
+    spm_vocab: a SentencePiece vocabulary as real Phi-3 files have (llama.cpp loads no BPE vocabulary without merges);
+    else a byte-level BPE one without merges, as the llama files of these tests."""
     cfg = hf_model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     w = gguf.GGUFWriter(str(path), "phi3")

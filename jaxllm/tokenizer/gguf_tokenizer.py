@@ -1,5 +1,7 @@
-"""Rebuilds a byte-level BPE tokenizer from GGUF metadata with the `tokenizers` library, following
-llama.cpp's pre-tokenizer rules for the ``tokenizer.ggml.pre`` name."""
+"""Rebuilds a GGUF file's tokenizer from its metadata with the `tokenizers` library: byte-level BPE ('gpt2')
+following llama.cpp's pre-tokenizer rules for the ``tokenizer.ggml.pre`` name; a SentencePiece vocabulary
+('llama': Llama 2, Mistral, Phi-3 files) through transformers' GGUF tokenizer converter, which recovers the
+merges from the vocabulary's scores."""
 
 from __future__ import annotations
 
@@ -34,10 +36,35 @@ def _pre_tokenizer(pre: str):
     ])
 
 
+def _sentencepiece(meta: dict[str, Any], source: str) -> Tokenizer:
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+    except ImportError as e:  # an internal module of transformers: say which one moved
+        raise LoadError(f"{source}: a SentencePiece GGUF vocabulary needs transformers' GGUF tokenizer converter "
+                        f"(transformers.integrations.gguf.gguf_tokenizer_mapping): {e}") from None
+    names = GGUF_TOKENIZER_MAPPING["tokenizer"]
+    spec = {name: meta[f"tokenizer.{key}"] for key, name in names.items() if f"tokenizer.{key}" in meta}
+    spec = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in spec.items()}
+    tok, _ = convert_gguf_tokenizer(meta.get("general.architecture", "llama"), spec)
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    tokens = spec["tokens"]
+    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", True):  # SentencePiece files: on by default
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
+    else:
+        tok.post_processor = None
+    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=(eos,) if eos is not None else (),
+                     chat_template=meta.get("tokenizer.chat_template"))
+
+
 def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece(meta, source)
     if kind != "gpt2":
-        raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2')")
+        raise LoadError(f"{source}: tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2' and "
+                        f"SentencePiece 'llama')")
     pre = meta.get("tokenizer.ggml.pre", "default")
     pre_tok = _pre_tokenizer(pre)
     if pre_tok is None:

@@ -33,7 +33,7 @@ def test_q8_0_phi3_gguf_kept_quantized(tiny_model_dir, tmp_path):
     import torch
 
     _, hf_model = tiny_model_dir("phi3")
-    path = write_phi3_gguf(hf_model, tmp_path / "phi3-q8_0.gguf", T.Q8_0)
+    path = write_phi3_gguf(hf_model, tmp_path / "phi3-q8_0.gguf", T.Q8_0, spm_vocab=True)  # as real files are
     lm = load_model(path, dtype="float32", attn_impl="reference")
     assert dict(lm.model.quantization)["qkv_proj"].name == "q8_0"  # the stacked tensor split as blocks
     ids = np.random.default_rng(5).integers(3, 1024, (1, 14))

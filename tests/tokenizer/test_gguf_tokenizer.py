@@ -112,3 +112,40 @@ def test_special_tokens(tokenizers_pair):
     tok, _ = tokenizers_pair
     assert tok.encode("<|im_start|>")[0] == 1 and tok.eos_token_ids == (2,) and tok.bos_token_id == 1
     assert tok.decode(tok.encode("<|im_start|>hi<|im_end|>")) == "hi"
+
+
+# A SentencePiece vocabulary ('llama', as Llama 2, Mistral and Phi-3 GGUF files have): byte fallback pieces, then
+# pieces whose scores order the merges.
+SPM_PIECES = (["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] +
+              ["\u2581", "h", "e", "l", "o", "w", "r", "d", "\u2581h", "he", "ll", "llo", "\u2581he", "\u2581hello",
+               "\u2581w", "or", "\u2581wor", "\u2581world", "lo"])
+# What llama.cpp's llama-server (/tokenize, add_special) returned for these texts on a phi3 GGUF with this
+# vocabulary (checked by hand: the suite does not build llama.cpp).
+LLAMA_CPP_SPM = {"hello world!": [1, 272, 275, 262, 266, 36], " hello  world": [1, 259, 272, 259, 275, 262, 266],
+                 "hello\nworld": [1, 272, 13, 264, 274, 262, 266], "héllo": [1, 267, 198, 172, 270]}
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_llama_cpp(tmp_path):
+    import gguf
+    import numpy as np
+
+    from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
+
+    n = len(SPM_PIECES)
+    w = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "phi3")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(SPM_PIECES)
+    w.add_token_scores([0.0] * 259 + [-float(i) for i in range(n - 259)])
+    w.add_token_types([2, 3, 3] + [6] * 256 + [1] * (n - 259))
+    w.add_unk_token_id(0)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", np.zeros((n, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tok = tokenizer_from_gguf(GGUFFile(tmp_path / "spm.gguf").metadata, "spm.gguf")
+    for text, ids in LLAMA_CPP_SPM.items():
+        assert tok.encode(text) == ids, text
+        assert tok.decode(ids, skip_special_tokens=True) == text, text
