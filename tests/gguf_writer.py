@@ -21,15 +21,21 @@ def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors: dict | None = None) -> Path:
-    cfg = hf_model.config
-    w = gguf.GGUFWriter(str(path), "llama")
+def _writer(path: Path, arch: str, cfg) -> gguf.GGUFWriter:
+    """A writer with the model's shape in `arch`'s metadata keys."""
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
+    return w
+
+
+def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors: dict | None = None) -> Path:
+    cfg = hf_model.config
+    w = _writer(path, "llama", cfg)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_tokenizer_model("gpt2")
@@ -37,16 +43,25 @@ def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors
     w.add_token_list([f"<tok{i}>" for i in range(cfg.vocab_size)])
     w.add_token_types([1] * cfg.vocab_size)
     w.add_eos_token_id(2)
+    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
+    _add_hf_tensors(w, hf_model, HF_TO_GGUF, weight_type,
+                    lambda module, a: permute(a, heads[module]) if module in heads else a)
+    for gname, (raw, qtype) in (extra_tensors or {}).items():
+        w.add_tensor(gname, raw, raw_dtype=qtype)
+    _finish(w)
+    return path
+
+
+def _add_hf_tensors(w, hf_model, names: dict[str, str], weight_type: T, transform=lambda module, a: a) -> None:
+    """The model's tensors under their GGUF names (`names`: layer module -> GGUF name), matrices in
+    `weight_type`."""
     for name, tensor in hf_model.state_dict().items():
         a = tensor.numpy().astype(np.float32)
         parts = name.split(".")
         if parts[1] == "layers":
             module = ".".join(parts[3:-1])
-            if module == "self_attn.q_proj":
-                a = permute(a, cfg.num_attention_heads)
-            elif module == "self_attn.k_proj":
-                a = permute(a, cfg.num_key_value_heads)
-            gname = f"blk.{parts[2]}.{HF_TO_GGUF[module]}.{parts[-1]}"
+            a = transform(module, a)
+            gname = f"blk.{parts[2]}.{names[module]}.{parts[-1]}"
         else:
             gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}[name]
@@ -54,13 +69,13 @@ def write_llama_gguf(hf_model, path: Path, weight_type: T = T.F32, extra_tensors
             w.add_tensor(gname, quants.quantize(a, weight_type), raw_dtype=weight_type)
         else:
             w.add_tensor(gname, a)
-    for gname, (raw, qtype) in (extra_tensors or {}).items():
-        w.add_tensor(gname, raw, raw_dtype=qtype)
+
+
+def _finish(w) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 def write_synthetic_llama_gguf(path: Path, *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int,
@@ -112,13 +127,7 @@ def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: boo
     else a byte-level BPE one without merges, as the llama files of these tests."""
     cfg = hf_model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), "phi3")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = _writer(path, "phi3", cfg)
     w.add_rope_dimension_count(int(head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0)))
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -137,21 +146,7 @@ def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: boo
         w.add_token_list([f"<tok{i}>" for i in range(cfg.vocab_size)])
         w.add_token_types([1] * cfg.vocab_size)
     w.add_eos_token_id(2)
-    names = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF}
-    for name, tensor in hf_model.state_dict().items():
-        a = tensor.numpy().astype(np.float32)
-        parts = name.split(".")
-        if parts[1] == "layers":
-            gname = f"blk.{parts[2]}.{names['.'.join(parts[3:-1])]}.{parts[-1]}"
-        else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
-        if a.ndim == 2 and weight_type != T.F32:
-            w.add_tensor(gname, quants.quantize(a, weight_type), raw_dtype=weight_type)
-        else:
-            w.add_tensor(gname, a)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    _add_hf_tensors(w, hf_model, {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF},
+                    weight_type)
+    _finish(w)
     return path
