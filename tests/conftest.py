@@ -10,6 +10,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # paths have their own tests (tests/pallas_kernels/quantized_matmul/test_int8.py,
 # tests/models/test_int8_activations.py), which name the path they run.
 os.environ.setdefault("JAXLLM_CPU_INT8_ISA", "none")
+# One build thread per engine: a suite starts hundreds of engines, and once (jax 0.10.2, 2026-11-26) the process
+# died of a segmentation fault inside JAX's persistent-cache write of one bucket's executable while another
+# thread compiled the next (tests/speculative/test_distribution.py's start-up); a server starts one engine.
+os.environ.setdefault("JAXLLM_BUILD_WORKERS", "1")
 
 import pytest  # noqa: E402
 
