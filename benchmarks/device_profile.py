@@ -88,7 +88,8 @@ def device_events(trace_file: str) -> tuple[list[Event], dict]:
 
 def host_events(trace_file: str, steps: int, top: int = 14) -> list[dict]:
     """The host's dearest events of a trace, by name: calls and inclusive ms a step; the `top` Python frames and
-    the `top` events of the runtime's threads (on a GPU, its work to launch a step, e.g. updating CUDA graphs).
+    the `top` events of the runtime's threads (its work to launch a step's kernels: under the profiler XLA:GPU
+    runs a step without CUDA graphs, so their updates never show here).
     Nested events each count their whole span; the profiler's own frames are left out."""
     from jax.profiler import ProfileData
     totals: dict[tuple[str, bool], list] = {}

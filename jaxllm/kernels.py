@@ -20,8 +20,9 @@ the step a TPU or GPU runs, with the native kernels. Every rule lives here:
   kernels read the stacked weight in place, and XLA:TPU fuses the dynamic slice into the dot's operand).
 - A row's sum (RMSNorm's mean square) in an order fixed by the row's length on CPU (`Kernels.fixed_order_sums`):
   XLA:CPU picks a reduction's order by the array's shape, so a row's norm would depend on how many rows its step
-  has; XLA:GPU reduces each row in one kernel whatever the row count, and there the fixed order's slice-adds
-  cost a step 33 (batch 1) to 130 (batch 256) more kernels of an 8B model.
+  has. On GPU the fixed order's slice-adds cost an 8B step 33 (batch 1) to 130 (batch 256) more kernels, so XLA
+  reduces there (one kernel a row); whether its order is row-count invariant, as speculative decoding's exactness
+  needs, is not checked yet.
 - Under tensor parallelism a kernel GSPMD cannot partition (a Pallas kernel: "Mosaic kernels cannot be
   automatically partitioned") runs inside `jax.shard_map` over the mesh's ``tp`` axis, each device on its own
   KV heads; the jnp reference is left to GSPMD.

@@ -88,9 +88,9 @@ def rope_cos_sin(positions: jnp.ndarray, inv_freq: np.ndarray, attention_factor:
                  mrope_section: tuple[int, ...] | None = None, mrope_interleaved: bool = False):
     """positions [...] -> cos, sin [..., rotary_dim] (float32). With `mrope_section`, positions are [3, ...]
     (temporal, height, width) and each frequency slot takes its axis (`mrope_axes`)."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., head_dim // 2]
-    if mrope_section is not None:  # [3, ..., head_dim // 2] -> [..., head_dim // 2]: a 0/1 selection, exact
-        pick = np.eye(3, dtype=np.float32)[mrope_axes(mrope_section, mrope_interleaved)]  # [head_dim // 2, 3]
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)  # [..., rotary_dim // 2]
+    if mrope_section is not None:  # [3, ..., rotary_dim // 2] -> [..., rotary_dim // 2]: a 0/1 selection, exact
+        pick = np.eye(3, dtype=np.float32)[mrope_axes(mrope_section, mrope_interleaved)]  # [rotary_dim // 2, 3]
         angles = jnp.einsum("a...j,ja->...j", angles, jnp.asarray(pick))
     angles = jnp.concatenate([angles, angles], axis=-1)
     return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor

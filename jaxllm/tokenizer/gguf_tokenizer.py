@@ -46,14 +46,18 @@ def _sentencepiece(meta: dict[str, Any], source: str) -> Tokenizer:
     spec = {name: meta[f"tokenizer.{key}"] for key, name in names.items() if f"tokenizer.{key}" in meta}
     spec = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in spec.items()}
     tok, _ = convert_gguf_tokenizer(meta.get("general.architecture", "llama"), spec)
+    tok.post_processor = None  # the file's add_bos_token decides, below
+    return _wrap(tok, meta, spec["tokens"], add_bos_default=True)  # SentencePiece files: BOS unless they say not
+
+
+def _wrap(tok: HFTokenizer, meta: dict[str, Any], tokens: list[str], *, add_bos_default: bool) -> Tokenizer:
+    """The backend with the file's BOS (prepended when `tokenizer.ggml.add_bos_token` says so), EOS and chat
+    template."""
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    tokens = spec["tokens"]
-    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", True):  # SentencePiece files: on by default
+    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", add_bos_default):
         tok.post_processor = processors.TemplateProcessing(
             single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
-    else:
-        tok.post_processor = None
     return Tokenizer(tok, bos_token_id=bos, eos_token_ids=(eos,) if eos is not None else (),
                      chat_template=meta.get("tokenizer.chat_template"))
 
@@ -79,10 +83,4 @@ def tokenizer_from_gguf(meta: dict[str, Any], source: str) -> Tokenizer:
                             for i in np.flatnonzero(types == TOKEN_TYPE_CONTROL)])
     tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
                     for i in np.flatnonzero(types == TOKEN_TYPE_USER_DEFINED)])
-    bos = meta.get("tokenizer.ggml.bos_token_id")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
-    if bos is not None and meta.get("tokenizer.ggml.add_bos_token", False):
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
-    return Tokenizer(tok, bos_token_id=bos, eos_token_ids=(eos,) if eos is not None else (),
-                     chat_template=meta.get("tokenizer.chat_template"))
+    return _wrap(tok, meta, tokens, add_bos_default=False)
