@@ -102,6 +102,16 @@ class ModelConfig:
     # `layer_types`): a runtime value under the layer scan. None: every layer has `sliding_window`.
     layer_windows: tuple[int, ...] | None = None
     activation: str = "silu"  # the gated MLP's: silu (SwiGLU), gelu_tanh or gelu (GeGLU)
+    # Gemma's departures from the Llama decoder (Gemma 2 and 3):
+    # RMSNorm: None, Llama's (the normalised x cast to the dtype, times w); a float c, Gemma's (x times (c + w) in
+    # float32, then cast): 1.0 for Hugging Face checkpoints, 0.0 for GGUF files (llama.cpp stores 1 + w).
+    rms_norm_offset: float | None = None
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (pre/post_feedforward_...)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size), rounded to the model's dtype first
+    attn_scale: float | None = None  # attention's score scale (None: head_dim ** -0.5)
+    attn_soft_cap: float | None = None  # attention scores s -> cap * tanh(s / cap)
+    final_soft_cap: float | None = None  # final logits, likewise
+    local_rope: RopeConfig | None = None  # the windowed layers' RoPE where it differs from the others' (Gemma 3)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -125,6 +135,11 @@ class ModelConfig:
                               f"{self.layer_windows}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        for name in ("attn_scale", "attn_soft_cap", "final_soft_cap"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.local_rope is not None and self.layer_windows is None:
+            raise ConfigError("local_rope needs layer_windows (the windowed layers are the ones it rotates)")
 
     @property
     def q_per_kv(self) -> int:

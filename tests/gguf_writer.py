@@ -133,20 +133,73 @@ def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: boo
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
-    if spm_vocab:
+    _add_vocab(w, cfg.vocab_size, spm_vocab)
+    _add_hf_tensors(w, hf_model, {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF},
+                    weight_type)
+    _finish(w)
+    return path
+
+
+def _add_vocab(w, vocab_size: int, spm: bool) -> None:
+    """A SentencePiece vocabulary (unk, bos, eos, then "▁t<i>"), or a byte-level BPE one without merges."""
+    if spm:
         w.add_tokenizer_model("llama")
-        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, cfg.vocab_size)])
-        w.add_token_scores([0.0] * cfg.vocab_size)
-        w.add_token_types([2, 3, 3] + [1] * (cfg.vocab_size - 3))
+        w.add_token_list(["<unk>", "<s>", "</s>"] + [f"\u2581t{i}" for i in range(3, vocab_size)])
+        w.add_token_scores([0.0] * vocab_size)
+        w.add_token_types([2, 3, 3] + [1] * (vocab_size - 3))
         w.add_unk_token_id(0)
         w.add_bos_token_id(1)
     else:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("default")
-        w.add_token_list([f"<tok{i}>" for i in range(cfg.vocab_size)])
-        w.add_token_types([1] * cfg.vocab_size)
+        w.add_token_list([f"<tok{i}>" for i in range(vocab_size)])
+        w.add_token_types([1] * vocab_size)
     w.add_eos_token_id(2)
-    _add_hf_tensors(w, hf_model, {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF},
-                    weight_type)
+
+
+GEMMA_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+                 "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+
+
+def write_gemma_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
+    """A gemma2 or gemma3 GGUF as llama.cpp's converter writes one: norms stored as 1 + w, the sandwich norms under
+    their own names, no LM head (tied), the soft caps, the window and the windowed layers' RoPE base in the metadata,
+    and a SentencePiece vocabulary. The windowed layers are written as one flag per layer
+    (`attention.sliding_window_pattern`, which llama.cpp reads before its default pattern). There is no
+    `query_pre_attn_scalar`: llama.cpp scales by head_dim ** -0.5."""
+    cfg = hf_model.config
+    arch = {"gemma2": "gemma2", "gemma3_text": "gemma3"}[cfg.model_type]
+    w = _writer(path, arch, cfg)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_sliding_window(cfg.sliding_window)
+    w.add_sliding_window_pattern([kind == "sliding_attention" for kind in cfg.layer_types])
+    rope = cfg.rope_parameters
+    if arch == "gemma2":
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    else:
+        w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+        w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+        if rope["full_attention"].get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(rope["full_attention"]["factor"])
+    _add_vocab(w, cfg.vocab_size, spm=True)
+    shifted = _ShiftedNorms(hf_model)
+    _add_hf_tensors(w, shifted, GEMMA_TO_GGUF, weight_type)
     _finish(w)
     return path
+
+
+class _ShiftedNorms:
+    """The model's state dict as llama.cpp's converter writes Gemma's: norms + 1, the tied LM head left out."""
+
+    def __init__(self, hf_model):
+        self.hf_model = hf_model
+
+    def state_dict(self) -> dict:
+        return {name: t + 1 if name.endswith("norm.weight") else t
+                for name, t in self.hf_model.state_dict().items() if name != "lm_head.weight"}

@@ -22,6 +22,17 @@ ARCHITECTURE_CASES = {
     # fused qkv/gate_up checkpoint tensors, half of each head rotating, a window shorter than the prompts
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=6, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2, tie_word_embeddings=False)),
+    # Gemma 2: windowed and global layers alternating, a window shorter than the prompts, soft caps low enough to
+    # bend scores and logits, an attention scale that is not head_dim's
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24,
+                                    attn_logit_softcapping=2.0, final_logit_softcapping=5.0, num_hidden_layers=3)),
+    # Gemma 3: q/k norms, a layer pattern of its own, linear scaling on the global layers' RoPE, a small base on the
+    # windowed layers'
+    "gemma3": ("Gemma3TextConfig", dict(
+        head_dim=16, sliding_window=6, query_pre_attn_scalar=24, num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     # 8 heads / 4 KV heads: tensor parallel 2 and 4 divide both.
     "qwen2_tp": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }

@@ -64,9 +64,13 @@ def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokeni
 
 
 def load_checkpoint_config(path: Path) -> ModelConfig:
-    raw = json.loads((path / CONFIG_FILE).read_text())
-    raw["rope"] = RopeConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in raw["rope"].items()})
-    raw["eos_token_ids"] = tuple(raw["eos_token_ids"])
+    def frozen(fields: dict) -> dict:  # JSON's lists back to the configs' tuples
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+    raw = frozen(json.loads((path / CONFIG_FILE).read_text()))
+    for name in ("rope", "local_rope"):
+        if raw.get(name) is not None:
+            raw[name] = RopeConfig(**frozen(raw[name]))
     return ModelConfig(**raw)
 
 

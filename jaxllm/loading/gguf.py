@@ -70,7 +70,7 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
     eos = meta.get("tokenizer.ggml.eos_token_id")
     sliding = meta.get(f"{arch}.attention.sliding_window")
     try:
-        return ModelConfig(
+        fields = dict(
             architecture=name,
             vocab_size=int(vocab),
             hidden_size=hidden,
@@ -90,6 +90,9 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=(int(eos),) if eos is not None else (),
         )
+        if spec.gguf_config_reader is not None:
+            fields.update(spec.gguf_config_reader(meta, arch, fields))
+        return ModelConfig(**fields)
     except ConfigError as e:
         raise LoadError(f"{g.path}: {e}") from None
 

@@ -19,12 +19,14 @@ from jaxllm.models.layers import Linear, RMSNorm
 from jaxllm.models.rope import apply_rope
 
 
-def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None):
+def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None, soft_cap=None):
     """q [B, S, H, D]; k, v [B, S, KVH, D]; valid [B, S] (False = padding); positions [B, S]."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, s, kvh, h // kvh, d) * sm_scale
     scores = jnp.einsum("bqkgd,bckd->bkgqc", qg, k.astype(jnp.float32))  # [B, KVH, G, S, S]
+    if soft_cap is not None:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     mask = (positions[:, None, :] <= positions[:, :, None]) & valid[:, None, :]
     if sliding_window is not None:
         mask &= positions[:, None, :] > positions[:, :, None] - sliding_window
@@ -41,6 +43,8 @@ class Attention(nnx.Module):
         quant = quant or {}
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.group = cfg.num_heads // cfg.num_kv_heads
+        self.sm_scale = cfg.attn_scale if cfg.attn_scale is not None else d ** -0.5
+        self.soft_cap = cfg.attn_soft_cap
         # q, k and v in one matmul (fewer, larger matmuls run closer to memory bandwidth on CPU). Rows are
         # grouped by KV head, [kv_heads, group + 2, head_dim] (the group's q heads, then its k, then its v), so
         # splitting the rows by KV head for tensor parallelism splits q, k and v alike, whatever the tp size.
@@ -49,8 +53,8 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
                              quant=quant.get("o_proj"))
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
-            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, offset=cfg.rms_norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, offset=cfg.rms_norm_offset)
         else:
             self.q_norm = self.k_norm = None
 
@@ -67,8 +71,8 @@ class Attention(nnx.Module):
         """x [B, S, E] -> [B, S, E]. window: the layer's attention window (None: the whole context; an int, or a
         traced int32 scalar when layers differ and run under a scan)."""
         q, k, v = self._qkv(x, cos, sin)
-        out = dense_causal_attention(q, k, v, valid=valid, positions=positions, sm_scale=self.head_dim ** -0.5,
-                                     sliding_window=window)
+        out = dense_causal_attention(q, k, v, valid=valid, positions=positions, sm_scale=self.sm_scale,
+                                     sliding_window=window, soft_cap=self.soft_cap)
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
     def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable,
@@ -76,6 +80,6 @@ class Attention(nnx.Module):
         """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv). window: as in `dense`."""
         q, k, v = self._qkv(x, cos, sin)
         out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
-                                        meta.query_start_loc, sm_scale=self.head_dim ** -0.5,
-                                        sliding_window=window)
+                                        meta.query_start_loc, sm_scale=self.sm_scale, sliding_window=window,
+                                        soft_cap=self.soft_cap)
         return self.o_proj(out.reshape(x.shape[0], -1)), (k_cache, v_cache)

@@ -46,6 +46,9 @@ class FamilySpec:
     permuted_qk_in_gguf: bool = False  # llama.cpp reorders q/k rows for interleaved RoPE
     # config.json -> ModelConfig (default: `llama_config`, reading the flags above)
     config_reader: Callable[[dict[str, Any], FamilySpec], ModelConfig] | None = None
+    # (GGUF metadata, its architecture name, the ModelConfig fields every family reads) -> the family's own
+    # fields, replacing or adding to those (`jaxllm.loading.gguf.gguf_config`)
+    gguf_config_reader: Callable[[dict[str, Any], str, dict[str, Any]], dict[str, Any]] | None = None
     model: Callable | None = None  # the model class (default: LlamaForCausalLM)
     # The decoder layer's parts (default: `jaxllm.models.attention.Attention`, `jaxllm.models.llama.MLP`): each
     # built as factory(cfg, dtype=, rngs=, quant=), e.g. an MLP of experts for a mixture-of-experts family.

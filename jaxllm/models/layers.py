@@ -107,16 +107,24 @@ def row_sum(x: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs | None):
-        weight = jnp.ones((dim,), dtype) if rngs is not None else jax.ShapeDtypeStruct((dim,), dtype)
+    """offset: None for Llama's norm (the normalised x cast to x's dtype, then times the weight); a float c for
+    Gemma's (times c + weight in float32, then cast: `ModelConfig.rms_norm_offset`)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype=jnp.float32, rngs: nnx.Rngs | None,
+                 offset: float | None = None):
+        init = 1.0 - (offset or 0.0)  # a random model's norms start at the identity either way
+        weight = jnp.full((dim,), init, dtype) if rngs is not None else jax.ShapeDtypeStruct((dim,), dtype)
         self.weight = nnx.Param(weight, axes=(None,))
         self.eps = eps
+        self.offset = offset
         self.kernels = choose_kernels(dtype=dtype)  # the model's choice replaces it (`set_kernels`)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         xf = x.astype(jnp.float32)
         squares = row_sum(xf * xf) if self.kernels.fixed_order_sums else jnp.sum(xf * xf, axis=-1, keepdims=True)
         xf = xf * jax.lax.rsqrt(squares / xf.shape[-1] + self.eps)
+        if self.offset is not None:
+            return (xf * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
         return (xf.astype(x.dtype) * self.weight[...]).astype(x.dtype)
 
 

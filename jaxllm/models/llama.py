@@ -66,15 +66,28 @@ class DecoderLayer(nnx.Module):
         """attention, mlp: the family's factories (`FamilySpec.attention`, `.mlp`), each built as
         ``factory(cfg, dtype=, rngs=, quant=)``; the attention module's ``paged``/``dense`` and the MLP's call are
         what the layer runs."""
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.input_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs)
         self.self_attn = attention(cfg, dtype=dtype, rngs=rngs, quant=quant)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        # Llama's norm before the MLP; with sandwich norms (Gemma), the one on the attention's output, as
+        # Gemma's checkpoints name it
+        self.post_attention_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs)
         self.mlp = mlp(cfg, dtype=dtype, rngs=rngs, quant=quant)
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs) if sandwich else None
+        self.post_feedforward_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs) if sandwich else None
 
     def __call__(self, x, attend):
         h, extra = attend(self.self_attn, self.input_layernorm(x))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), extra
+        if self.pre_feedforward_layernorm is None:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x)), extra
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), extra
+
+
+def norm(cfg: ModelConfig, dim: int, dtype, rngs: nnx.Rngs | None) -> RMSNorm:
+    """An RMSNorm of the config's kind (Llama's or Gemma's)."""
+    return RMSNorm(dim, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, offset=cfg.rms_norm_offset)
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -98,7 +111,7 @@ class LlamaForCausalLM(nnx.Module):
         parts = _family_parts(cfg)
         self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, rngs=rngs, quant=quant, **parts)
                                 for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, rngs=rngs)
+        self.norm = norm(cfg, cfg.hidden_size, dtype, rngs)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs, quant=quant.get("lm_head"))
         self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
@@ -185,10 +198,29 @@ class LlamaForCausalLM(nnx.Module):
         return x, carry
 
     def _rope(self, positions: jax.Array):
-        # Frequencies are trace-time numpy constants, not parameters.
-        inv_freq, attention_factor = rope_frequencies(self.config.rope, self.config.head_dim)
-        rope = self.config.rope
-        return rope_cos_sin(positions, inv_freq, attention_factor, rope.mrope_section, rope.mrope_interleaved)
+        """cos, sin [..., rotary_dim] of every layer; with a `local_rope`, a pair per kind of layer (global,
+        windowed), which `layer_rope` picks from."""
+        cfg = self.config
+
+        def cos_sin(rope):  # frequencies are trace-time numpy constants, not parameters
+            inv_freq, attention_factor = rope_frequencies(rope, cfg.head_dim)
+            return rope_cos_sin(positions, inv_freq, attention_factor, rope.mrope_section, rope.mrope_interleaved)
+
+        if cfg.local_rope is None:
+            return cos_sin(cfg.rope)
+        return cos_sin(cfg.rope), cos_sin(cfg.local_rope)
+
+    def layer_rope(self, rope, index):
+        """Layer `index`'s (cos, sin) from `_rope`'s: by the layer's kind when windowed layers rotate by their own
+        RoPE (a static choice when the layers run unrolled, a select by the scan's counter otherwise)."""
+        if self.config.local_rope is None:
+            return rope
+        (cos_g, sin_g), (cos_l, sin_l) = rope
+        local = [w > 0 for w in self.config.layer_windows]
+        if isinstance(index, int):
+            return (cos_l, sin_l) if local[index] else (cos_g, sin_g)
+        is_local = jnp.asarray(local)[index]
+        return jnp.where(is_local, cos_l, cos_g), jnp.where(is_local, sin_l, sin_g)
 
     def window(self, index) -> int | jax.Array | None:
         """Layer `index`'s attention window: the config's static one when every layer has the same; with
@@ -203,8 +235,17 @@ class LlamaForCausalLM(nnx.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """hidden [..., E] -> float32 logits [..., V]."""
-        out = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
-        return out.astype(jnp.float32)
+        out = (self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)).astype(jnp.float32)
+        cap = self.config.final_soft_cap
+        return out if cap is None else cap * jnp.tanh(out / cap)
+
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """Token embeddings [..., E], scaled by sqrt(hidden_size) where the config says (Gemma: the factor rounded
+        to the model's dtype first, as its checkpoints were trained)."""
+        x = self.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            x = x * jnp.asarray(self.config.hidden_size ** 0.5, x.dtype)
+        return x
 
     def classify(self, pooled: jax.Array) -> jax.Array:
         """pooled [S, 3, E] (each sequence's first, last, summed final hidden state) -> [S, labels] float32: the
@@ -236,11 +277,12 @@ class LlamaForCausalLM(nnx.Module):
             positions = order if self.config.rope.mrope_section is None else jnp.broadcast_to(order, (3, b, s))
         causal = positions if positions.ndim == 2 else order
         valid = jnp.ones((b, s), bool) if attention_mask is None else attention_mask.astype(bool)
-        cos, sin = self._rope(positions)
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self._rope(positions)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
 
         def run(layer, x, carry, index):
             window = self.window(index)
+            cos, sin = self.layer_rope(rope, index)
             x, carry = layer(x, lambda attn, h: (attn.dense(h, cos, sin, valid=valid, positions=causal,
                                                             window=window), None))
             return _add_deepstack(x, deepstack, index), carry
@@ -255,14 +297,15 @@ class LlamaForCausalLM(nnx.Module):
         `metadata` names pages 0..pages_per_layer-1; each layer reads and writes its own range of the cache.
         inputs_embeds [T, E]: instead of the token embeddings; deepstack [D, T, E]: as in `__call__`."""
         attn_fn = attention_kernel(self.kernels)
-        cos, sin = self._rope(positions)
-        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self._rope(positions)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         _, total_pages, page_size, _ = kv_cache[0].shape
         pages_per_layer = total_pages // self.config.num_layers
 
         def run(layer, x, kv, index):
             meta = metadata.offset_pages(index * pages_per_layer, page_size)
             window = self.window(index)
+            cos, sin = self.layer_rope(rope, index)
             x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window))
             return _add_deepstack(x, deepstack, index), kv
 

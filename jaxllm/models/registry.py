@@ -11,6 +11,8 @@ from collections.abc import Iterator
 from jaxllm.models.family import FamilySpec
 
 FAMILIES = (
+    "gemma2",
+    "gemma3",
     "llama",
     "mistral",
     "phi3",

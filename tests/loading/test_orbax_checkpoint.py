@@ -59,3 +59,14 @@ def test_a_quantized_checkpoint_keeps_its_formats(tmp_path):
     np.testing.assert_array_equal(np.asarray(back.model(jnp.asarray(PROBE))), np.asarray(lm.model(jnp.asarray(PROBE))))
     with pytest.raises(LoadError, match="restored as it was saved"):
         load_model(tmp_path / "q", quantization="int8")
+
+
+def test_a_gemma3_checkpoint_keeps_its_config(tiny_model_dir, tmp_path):
+    """The config's nested and per-layer fields (the windowed layers' RoPE, the windows) survive the JSON."""
+    folder, _ = tiny_model_dir("gemma3")
+    lm = load_model(folder, dtype="float32", load_tokenizer_too=False)
+    save_checkpoint(lm.model, tmp_path / "g")
+    back = load_model(tmp_path / "g", dtype="float32", load_tokenizer_too=False)
+    assert back.config == lm.config and back.config.local_rope.theta == 100.0
+    ids = jnp.asarray([[5, 17, 300, 2, 9, 41, 8, 77, 12]])
+    np.testing.assert_array_equal(np.asarray(back.model(ids)), np.asarray(lm.model(ids)))

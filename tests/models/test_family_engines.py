@@ -1,6 +1,8 @@
-"""Phi-3 through the engine: greedy tokens equal transformers' `generate` on prompts longer than the sliding window
-(prefix caching and chunked prefill on, the numba CPU attention kernel), the same tokens alone and in a batch,
-and nothing compiled after warm-up."""
+"""The families that differ most from Llama's decoder, through the engine: greedy tokens equal transformers'
+`generate` on prompts longer than their sliding windows (prefix caching and chunked prefill on, the numba CPU
+attention kernel), the same tokens alone and in a batch, and nothing compiled after warm-up. Phi-3: fused
+checkpoint tensors and partial RoPE; Gemma 2: soft caps, sandwich norms, alternating windows; Gemma 3: q/k norms and
+a RoPE per kind of layer."""
 
 import numpy as np
 import pytest
@@ -11,9 +13,9 @@ from jaxllm.engine import compile_monitor
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module")
-def phi3(tiny_model_dir, compile_cache_dir):
-    folder, hf_model = tiny_model_dir("phi3")
+@pytest.fixture(scope="module", params=["phi3", "gemma2", "gemma3"])
+def family(request, tiny_model_dir, compile_cache_dir):
+    folder, hf_model = tiny_model_dir(request.param)
     llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=96,
               max_model_len=64, page_size=4, enable_prefix_caching=True, compilation_cache_dir=compile_cache_dir)
     return llm, hf_model
@@ -28,8 +30,8 @@ def _hf_greedy(hf_model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_equals_transformers_alone_and_in_a_batch(phi3):
-    llm, hf_model = phi3
+def test_greedy_equals_transformers_alone_and_in_a_batch(family):
+    llm, hf_model = family
     rng = np.random.default_rng(3)
     prompts = [rng.integers(3, 1024, n).tolist() for n in (9, 23, 17)]  # windows of 6: every prompt is longer
     prompts.append(prompts[1][:12] + rng.integers(3, 1024, 5).tolist())  # shares a cached prefix with prompt 1
