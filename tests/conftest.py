@@ -10,14 +10,28 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # paths have their own tests (tests/pallas_kernels/quantized_matmul/test_int8.py,
 # tests/models/test_int8_activations.py), which name the path they run.
 os.environ.setdefault("JAXLLM_CPU_INT8_ISA", "none")
-# One build thread per engine: a suite starts hundreds of engines, and once (jax 0.10.2, 2026-11-26) the process
-# died of a segmentation fault inside JAX's persistent-cache write of one bucket's executable while another
-# thread compiled the next (tests/speculative/test_distribution.py's start-up); a server starts one engine.
-os.environ.setdefault("JAXLLM_BUILD_WORKERS", "1")
+
+import gc  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.tiny_models import build_tiny_hf_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables():
+    """After each test module, the executables nothing holds any more are freed. Every XLA:CPU executable maps its
+    code and data (three mappings per object file), and JAX's caches keep every one they compiled: eager calls of
+    a model (the parity tests) compile one per operation and shape (19,300 mappings after
+    tests/models/test_hf_parity.py alone, 1,250 once cleared). A suite's worth passes the kernel's limit of 65,530
+    mappings per process (`vm.max_map_count`), and the next compile dies inside XLA (an abort or a segmentation
+    fault in the persistent cache's write of an executable, at ~80% of the suite). Engines hold their own
+    executables: clearing the caches frees none of theirs."""
+    yield
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
 
 
 @pytest.fixture(scope="session")

@@ -76,15 +76,6 @@ class StepResult:
     rejected: list[int] | None = None
 
 
-def _build_workers() -> int:
-    """JAXLLM_BUILD_WORKERS: threads that build an engine's buckets (0 or unset: up to 4, one per core); the test
-    suite builds on one (tests/conftest.py says why)."""
-    raw = os.environ.get("JAXLLM_BUILD_WORKERS", "")
-    if raw and not raw.isdigit():
-        raise ValueError(f"JAXLLM_BUILD_WORKERS={raw!r}: expected a number of threads")
-    return int(raw or 0)
-
-
 class ModelRunner:
     def __init__(self, model: Model, *, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
@@ -181,9 +172,9 @@ class ModelRunner:
         self.executables.prebuild(buckets)
 
     def warmup(self, max_workers: int | None = None) -> list[BucketBuild]:
-        """Builds every bucket (on up to `max_workers` threads; default: JAXLLM_BUILD_WORKERS, else up to 4), then
-        runs each once on this thread. Returns how each bucket was built, in bucket order."""
-        workers = max_workers or _build_workers() or min(len(self.buckets), os.cpu_count() or 1, 4)
+        """Builds every bucket (on up to `max_workers` threads), then runs each once on this thread. Returns how
+        each bucket was built, in bucket order."""
+        workers = max_workers or min(len(self.buckets), os.cpu_count() or 1, 4)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-build") as pool:
             futures = [pool.submit(self.build, b) for b in self.buckets]
             with tqdm(total=len(futures), desc="building buckets", unit="bucket") as progress:
