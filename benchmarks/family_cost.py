@@ -4,18 +4,16 @@ q/k norms, sandwich norms, (1 + w) float32 norms, scaled embeddings and a RoPE p
 512-token window to one global, as Gemma 3 1B) — against SmolLM2 itself, both served with the `smollm2-cpu`
 preset. The rewritten model's tokens are noise (its q/k rows keep llama.cpp's Llama order and its new norms are
 ones): only speed is compared. Workload: the shared peer workload's batch (32 x 128 prompt + 128 new tokens) and
-single stream (`workload.py`); the two engines alternate within each round, each in its own process; medians.
+single stream (`workload.py`); the two engines alternate within each round, in one process (separate processes
+differed by up to 30% run to run on the same engine; both engines are the same code, warm); medians.
 
-    python benchmarks/family_cost.py [--rounds 3] [--json benchmarks/results/family_cost_cpu.json]
+    python benchmarks/family_cost.py [--rounds 5] [--json benchmarks/results/family_cost_cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -63,38 +61,21 @@ def gemma3_from_llama(src: Path, dst: Path) -> Path:
     return dst
 
 
-def run_one(model: str | None) -> dict:
-    from jaxllm import LLM
-
-    llm = LLM(model, preset="smollm2-cpu")
-    return {**workload.run(llm), "architecture": llm.engine.model.config.architecture}
-
-
-def run_isolated(model: str | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--engine", model or "", "--json", str(out)]
-        subprocess.run(cmd, check=True)
-        return json.loads(out.read_text())
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--engine", help=argparse.SUPPRESS)  # one run of this model ("": the embedded one), here
     args = p.parse_args()
-    if args.engine is not None:
-        Path(args.json).write_text(json.dumps(run_one(args.engine or None)))
-        return
+    from jaxllm import LLM
     from jaxllm.loading.embedded import embedded_model_path
 
     with tempfile.TemporaryDirectory() as tmp:
-        gemma = str(gemma3_from_llama(embedded_model_path(), Path(tmp) / "smollm2-as-gemma3.gguf"))
-        runs: dict[str, list[dict]] = {"SmolLM2": [], "Gemma 3 shape": []}
+        gemma = gemma3_from_llama(embedded_model_path(), Path(tmp) / "smollm2-as-gemma3.gguf")
+        llms = {"SmolLM2": LLM(preset="smollm2-cpu"), "Gemma 3 shape": LLM(str(gemma), preset="smollm2-cpu")}
+        runs: dict[str, list[dict]] = {k: [] for k in llms}
         for r in range(args.rounds):
-            for label, model in (("SmolLM2", None), ("Gemma 3 shape", gemma)):
-                runs[label].append(run_isolated(model))
+            for label, llm in llms.items():
+                runs[label].append(workload.run(llm))
                 print(f"round {r}: {label} {runs[label][-1]}", flush=True)
     summary = {k: {m: statistics.median(x[m] for x in rs) for m in ("batch_tok_s", "single_tok_s")}
                for k, rs in runs.items()}
