@@ -112,6 +112,15 @@ class ModelConfig:
     attn_soft_cap: float | None = None  # attention scores s -> cap * tanh(s / cap)
     final_soft_cap: float | None = None  # final logits, likewise
     local_rope: RopeConfig | None = None  # the windowed layers' RoPE where it differs from the others' (Gemma 3)
+    # Mixture of experts (every layer's MLP; 0 experts: a dense MLP): each token's MLP is the weighted sum of its
+    # `num_experts_per_tok` best experts by the router's softmax (renormalised over them with `norm_topk_prob`),
+    # each a gated MLP of `moe_intermediate_size`; plus, with `shared_expert_intermediate_size`, one expert every
+    # token runs, scaled by a sigmoid gate (Qwen2-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -138,6 +147,11 @@ class ModelConfig:
         for name in ("attn_scale", "attn_soft_cap", "final_soft_cap"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ConfigError(f"a mixture of {self.num_experts} experts needs 0 < num_experts_per_tok <= "
+                              f"num_experts (got {self.num_experts_per_tok}) and a positive moe_intermediate_size "
+                              f"(got {self.moe_intermediate_size})")
         if self.local_rope is not None and self.layer_windows is None:
             raise ConfigError("local_rope needs layer_windows (the windowed layers are the ones it rotates)")
 

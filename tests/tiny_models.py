@@ -33,6 +33,12 @@ ARCHITECTURE_CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
+    # Mixtures of experts: 8 experts, 2 (Mixtral, Qwen2-MoE) or 3 per token, renormalised or not, a shared expert
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+                                         norm_topk_prob=True, tie_word_embeddings=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=96, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=6)),
     # 8 heads / 4 KV heads: tensor parallel 2 and 4 divide both.
     "qwen2_tp": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }

@@ -18,12 +18,14 @@ from jaxllm.config import ModelConfig
 NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}  # the parts of each (which module is which: `FamilySpec.fused`)
 
 
-def part_shapes(fused: str, cfg: ModelConfig, tail: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Each part's shape as a checkpoint stores it; tail is (in_features,) for weights, () for biases."""
+def part_shapes(fused: str, cfg: ModelConfig, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Each part's shape as a checkpoint stores it, of a fused parameter of `shape` ([out, in] for weights, [out]
+    for biases; gate/up: two halves, whatever the MLP's width: a dense MLP's, an expert's, a shared expert's)."""
+    tail = shape[1:]
     if fused == "qkv_proj":
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [(q, *tail), (kv, *tail), (kv, *tail)]
-    return [(cfg.intermediate_size, *tail)] * 2
+    return [(shape[0] // 2, *tail)] * 2
 
 
 def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:

@@ -130,11 +130,18 @@ def _prefetched(tensors: Iterable[tuple[str, Callable[[], np.ndarray], Any]]
             yield ahead.popleft()
 
 
-def _layer_slot(path: tuple) -> tuple[tuple, int | None]:
-    """('layers', 3, 'mlp', ...) -> (('layers', 'layer', 'mlp', ...), 3): the stacked variable and the layer;
-    other paths are their own variable (layer None)."""
+def _layer_slot(path: tuple) -> tuple[tuple, tuple[int, ...] | None]:
+    """('layers', 3, 'mlp', ...) -> (('layers', 'layer', 'mlp', ...), (3,)): the stacked variable and the slot the
+    tensor fills, its layer, and its expert for an expert's weight (('layers', 3, 'mlp', 'experts', 5,
+    'down_proj', 'weight') -> slot (3, 5) of a [layers, experts, ...] variable); other paths are their own
+    variable (slot None)."""
     if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int):
-        return ("layers", "layer", *path[2:]), path[1]
+        rest = path[2:]
+        if "experts" in rest and rest.index("experts") + 1 < len(rest) and isinstance(
+                expert := rest[rest.index("experts") + 1], int):
+            at = rest.index("experts")
+            return ("layers", "layer", *rest[:at + 1], *rest[at + 2:]), (path[1], expert)
+        return ("layers", "layer", *rest), (path[1],)
     return path, None
 
 
@@ -206,10 +213,16 @@ def assemble_model(
     regions = {path: local_region(tuple(var.get_value().shape), shardings[path]) for path, var in variables.items()}
 
     def region_of(path, layer):
-        """The variable's local region without its layer axis (a stacked variable's layers are all local)."""
-        return regions[path][0 if layer is None else 1:]
-    entries = []  # (variable path, layer, part, name, load, source, expected shape)
+        """The variable's local region without its slot's axes (a stacked variable's layers, and experts, are all
+        local)."""
+        return regions[path][0 if layer is None else len(layer):]
+
+    def slots(path) -> int:
+        """How many slots a stacked variable has: layers, times experts for the experts' weights."""
+        return cfg.num_layers * (cfg.num_experts if "experts" in path else 1)
+    entries = []  # (variable path, slot, part, name, load, source, expected shape)
     for name, load, source in split(tensors, spec.split, cfg):
+        name = spec.hf_name(name)
         mapped = hf_name_to_path(name, spec.fused)
         if mapped is None or IGNORED.match(name):
             continue
@@ -218,13 +231,14 @@ def assemble_model(
             continue  # tied checkpoints sometimes ship a copy of the embedding
         var_path, layer = _layer_slot(path)
         var = variables.get(var_path)
-        if var is None or (layer is not None and layer >= cfg.num_layers):
+        if var is None or (layer is not None and (len(layer) != 1 + ("experts" in var_path) or
+                                                  layer[0] >= cfg.num_layers or layer[1:] >= (cfg.num_experts,))):
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
-        shape = tuple(var.get_value().shape)[0 if layer is None else 1:]
+        shape = tuple(var.get_value().shape)[0 if layer is None else len(layer):]
         fmt = plan.get(_role(var_path))
         if fmt is not None:  # the packed values' shape -> the weight's [out, in]
             shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
-        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape[1:])[part]
+        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape)[part]
         window = None
         if fmt is None and getattr(load, "windowed", False):  # read only what this host's devices hold
             window = _window(region_of(var_path, layer), shape, expected)
@@ -232,7 +246,7 @@ def assemble_model(
                 expected = _extent(window)
                 load = functools.partial(load, window)
         entries.append((var_path, layer, part, name, load, source, expected))
-    entries.sort(key=lambda e: (order[e[0]], -1 if e[1] is None else e[1], e[2] or 0))
+    entries.sort(key=lambda e: (order[e[0]], () if e[1] is None else e[1], e[2] or 0))
 
     loaded: set[tuple] = set()
     pending: dict[tuple, dict[int, np.ndarray]] = {}  # fused parameters still waiting for some of their parts
@@ -299,7 +313,7 @@ def assemble_model(
 
     def layer_done(path, layer):
         filled[path].add(layer)
-        if len(filled[path]) == cfg.num_layers:
+        if len(filled[path]) == slots(path):
             for p in _variables(path, plan.get(_role(path))):
                 put(p, stacks.pop(p))
 
@@ -334,7 +348,13 @@ def assemble_model(
             continue
         if path[:2] == ("layers", "layer"):
             got = filled.get(path, set())
-            missing += [".".join(map(str, ("layers", i, *path[2:]))) for i in range(cfg.num_layers) if i not in got]
+            if "experts" in path:
+                at = path.index("experts") + 1
+                missing += [".".join(map(str, ("layers", i, *path[2:at], j, *path[at:])))
+                            for i in range(cfg.num_layers) for j in range(cfg.num_experts) if (i, j) not in got]
+            else:
+                missing += [".".join(map(str, ("layers", i, *path[2:]))) for i in range(cfg.num_layers)
+                            if (i,) not in got]
         else:
             missing.append(".".join(map(str, path)))
     if missing:

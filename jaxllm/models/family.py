@@ -61,6 +61,14 @@ class FamilySpec:
     # one after another), split into those parts as they load: module -> parts in row order.
     split: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     quantizable: tuple[str, ...] = LLAMA_QUANTIZABLE
+    # Checkpoint module names -> the model's, one dotted component at a time (Mixtral's `block_sparse_moe` -> `mlp`)
+    hf_module_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def hf_name(self, name: str) -> str:
+        """A checkpoint tensor's name in the model's module names."""
+        if not self.hf_module_names:
+            return name
+        return ".".join(self.hf_module_names.get(part, part) for part in name.split("."))
 
     def read_config(self, hf: dict[str, Any]) -> ModelConfig:
         return (self.config_reader or llama_config)(hf, self)

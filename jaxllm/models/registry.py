@@ -15,9 +15,12 @@ FAMILIES = (
     "gemma3",
     "llama",
     "mistral",
+    "mixtral",
     "phi3",
     "qwen2",
+    "qwen2_moe",
     "qwen3",
+    "qwen3_moe",
 )
 
 ARCHITECTURES: dict[str, FamilySpec] = {}

@@ -13,7 +13,7 @@ from jaxllm.engine import compile_monitor
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module", params=["phi3", "gemma2", "gemma3"])
+@pytest.fixture(scope="module", params=["phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
 def family(request, tiny_model_dir, compile_cache_dir):
     folder, hf_model = tiny_model_dir(request.param)
     llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=96,

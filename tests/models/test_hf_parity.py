@@ -54,7 +54,7 @@ def test_dense_forward_matches_transformers(case, tiny_model_dir):
                          [(c, "reference", 4) for c in PARITY_CASES] +
                          [("mistral", "pallas_tpu", 8), ("qwen2", "pallas_gpu", 16), ("mistral", "cpu", 4),
                           ("qwen3", "cpu", 8), ("phi3", "cpu", 4), ("gemma2", "cpu", 4), ("gemma3", "cpu", 8),
-                          ("gemma2", "pallas_gpu", 16), ("gemma2", "pallas_tpu", 8)])
+                          ("gemma2", "pallas_gpu", 16), ("gemma2", "pallas_tpu", 8), ("qwen3_moe", "cpu", 4)])
 def test_paged_prefill_then_decode_matches_transformers(case, attn_impl, page_size, tiny_model_dir):
     folder, hf_model = tiny_model_dir(case)
     lm = load_model(folder, dtype="float32", attn_impl=attn_impl)

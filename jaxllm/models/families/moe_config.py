@@ -1,0 +1,28 @@
+"""How the mixture-of-experts families' config.json read (`num_experts`, top-k, expert width), shared by
+Mixtral, Qwen2-MoE and Qwen3-MoE; only MoE layers throughout (`decoder_sparse_step` 1, no `mlp_only_layers`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxllm.config import ConfigError, ModelConfig
+from jaxllm.models.family import FamilySpec, llama_config
+
+# Expert weights stay float: the quantizable weights are attention's and the embeddings'.
+MOE_QUANTIZABLE = ("qkv_proj", "o_proj", "embed_tokens", "lm_head")
+
+
+def moe_config(hf: dict[str, Any], spec: FamilySpec, *, width_key: str, norm_topk_default: bool,
+               **overrides) -> ModelConfig:
+    """The expert count is `num_experts` or `num_local_experts` (Mixtral's, and the name transformers 5 writes
+    for every family); `width_key` names the experts' width."""
+    if int(hf.get("decoder_sparse_step", 1)) != 1 or hf.get("mlp_only_layers"):
+        raise ConfigError("dense layers among the experts' (decoder_sparse_step != 1 or mlp_only_layers) are not "
+                          "supported")
+    experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if experts is None or width_key not in hf:
+        raise ConfigError(f"missing the field {'num_experts' if experts is None else width_key!r}")
+    experts, width = int(experts), int(hf[width_key])
+    return llama_config(hf, spec, num_experts=experts, num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)),
+                        moe_intermediate_size=width,
+                        norm_topk_prob=bool(hf.get("norm_topk_prob", norm_topk_default)), **overrides)

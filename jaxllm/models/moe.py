@@ -1,0 +1,131 @@
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's softmax picks each token's top-k experts;
+the (token, expert) pairs are grouped by expert (by counting), each expert's rows run through its gated MLP as one
+group of a grouped matmul (`jax.lax.ragged_dot_general`: one GEMM per expert on GPU and TPU), and each token's
+outputs are added back in a fixed order (its k experts by rank), so a token's output depends on its own routing
+only, never on which other tokens share the step. Expert weights are stacked ``[experts, out, in]`` as checkpoints
+hold each expert's [out, in] (the loader fills the expert axis from the per-expert tensors).
+
+XLA:CPU runs a grouped matmul as a dense one over every expert, masked (experts / k times the work a token needs):
+exact, but a CPU kernel that reads only the chosen experts' rows is still to come."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.layers import Linear, _init
+
+# lhs [rows, in] ragged on its rows; rhs [experts, out, in]: contract in with in, one group per expert
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+class ExpertLinear(nnx.Module):
+    """Every expert's [out, in] weight in one parameter, [experts, out, in]."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
+                 dtype, rngs: nnx.Rngs | None):
+        """axes: logical names of (in, out), as `Linear`'s."""
+        self.weight = nnx.Param(_init(rngs, (experts, out_features, in_features), dtype, in_features ** -0.5),
+                                axes=("expert", axes[1], axes[0]))  # [experts, out, in]
+
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """rows [R, in], sorted by expert, `group_sizes[e]` of them expert e's -> [R, out]."""
+        w = self.weight[...]
+        return jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
+                                          preferred_element_type=jnp.float32).astype(rows.dtype)
+
+
+class Experts(nnx.Module):
+    """The experts' gated MLPs: gate/up rows interleaved ``[mlp, 2]`` as the dense MLP's."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+        n, e, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+
+class MoE(nnx.Module):
+    """A decoder layer's MLP (`FamilySpec.mlp`): `gate` is the router, `experts` the stacked experts, and with a
+    shared expert (`ModelConfig.shared_expert_intermediate_size`) `shared_expert` and its `shared_expert_gate`."""
+
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
+        from jaxllm.models.llama import MLP
+
+        e = cfg.hidden_size
+        self.gate = Linear(e, cfg.num_experts, ("embed", None), dtype=dtype, rngs=rngs)  # [experts, embed]
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+        self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.activation = cfg.activation
+        if cfg.shared_expert_intermediate_size:
+            shared = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
+                                    "intermediate_size": cfg.shared_expert_intermediate_size, "num_experts": 0})
+            self.shared_expert = MLP(shared, dtype=dtype, rngs=rngs)
+            self.shared_expert_gate = Linear(e, 1, ("embed", None), dtype=dtype, rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [N, E] -> (weights [N, k] float32, experts [N, k] int32): each token's best experts, best first."""
+        probs = jax.nn.softmax(self.gate(x).astype(jnp.float32), axis=-1)  # [N, experts]
+        weights, experts = _top_k(probs, self.top_k)
+        if self.renormalise:
+            weights = weights / _sum_in_order(weights)[:, None]
+        return weights, experts
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        from jaxllm.models.llama import activate
+
+        lead, e = x.shape[:-1], x.shape[-1]
+        flat = x.reshape(-1, e)  # [N, E]
+        n, k = flat.shape[0], self.top_k
+        weights, experts = self.route(flat)
+        pairs = experts.reshape(-1)  # [N * k]: token t's rank-j expert at t * k + j
+        slot, sizes = _group_by_expert(pairs, self.num_experts)
+        order = jnp.zeros_like(pairs).at[slot].set(jnp.arange(n * k, dtype=pairs.dtype))  # slot -> pair
+        rows = flat[order // k]  # [N * k, E], grouped by expert
+        gate_up = self.experts.gate_up_proj.grouped(rows, sizes).reshape(n * k, -1, 2)  # [N * k, mlp, 2]
+        hidden = activate(gate_up[..., 0], self.activation) * gate_up[..., 1]
+        out = self.experts.down_proj.grouped(hidden, sizes)  # [N * k, E], grouped by expert
+        out = out[slot].reshape(n, k, e)  # back to token order
+        y = weights[:, 0, None] * out[:, 0].astype(jnp.float32)
+        for j in range(1, k):  # a fixed order: a token's sum never depends on its neighbours
+            y = y + weights[:, j, None] * out[:, j].astype(jnp.float32)
+        if self.shared_expert is not None:
+            y = y + jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)) * \
+                self.shared_expert(flat).astype(jnp.float32)
+        return y.astype(x.dtype).reshape(*lead, e)
+
+
+def _group_by_expert(pairs: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
+    """pairs [P] (each pair's expert) -> (slot [P]: where each pair goes when the pairs are grouped by expert, in
+    their order within a group; sizes [experts] int32). Counting, not sorting: XLA:CPU cannot serialize a sort's
+    comparator, and the engine keeps its steps' executables in a cache on disk."""
+    one_hot = (pairs[:, None] == jnp.arange(num_experts, dtype=pairs.dtype)).astype(jnp.int32)  # [P, experts]
+    sizes = jnp.sum(one_hot, axis=0)
+    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), pairs[:, None], axis=1)[:, 0]  # 1-based, in group
+    first = jnp.cumsum(sizes) - sizes  # each group's first slot
+    return first[pairs] + rank - 1, sizes
+
+
+def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """x [N, n] -> (values, indices) [N, k], largest first (the lower index first among equal values): k argmax
+    passes. `jax.lax.top_k` sorts, and XLA:CPU cannot serialize a sort inside the layers' loop (`LessThan` is not
+    serializable), which the engine's executable cache needs."""
+    values, indices = [], []
+    for _ in range(k):
+        i = jnp.argmax(x, axis=-1)  # [N]
+        values.append(jnp.take_along_axis(x, i[:, None], axis=-1)[:, 0])
+        indices.append(i.astype(jnp.int32))
+        x = jnp.where(jnp.arange(x.shape[-1]) == i[:, None], -jnp.inf, x)
+    return jnp.stack(values, axis=-1), jnp.stack(indices, axis=-1)
+
+
+def _sum_in_order(x: jax.Array) -> jax.Array:
+    """x [N, k] -> [N]: the sum over k, left to right."""
+    total = x[:, 0]
+    for j in range(1, x.shape[1]):
+        total = total + x[:, j]
+    return total
