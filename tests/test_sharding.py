@@ -99,3 +99,19 @@ def test_separate_layers_keep_their_split(tiny_model_dir):
         (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // 2, cfg.hidden_size)
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_tensor_parallel_mixture_of_experts_matches_single_device(tiny_model_dir):
+    """Each expert's MLP split by rows like a dense MLP's (the grouped matmuls partitioned by XLA), attention by
+    KV heads."""
+    folder, _ = tiny_model_dir("qwen3_moe")
+    ids = np.random.default_rng(2).integers(0, 1024, (2, 9))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=1), ids)
+    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=2)
+    gate_up = lm.model.layers.layer.mlp.experts.gate_up_proj.weight[...]  # [layers, experts, 2 * mlp, hidden]
+    cfg = lm.config
+    assert gate_up.addressable_shards[0].data.shape == (
+        cfg.num_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
