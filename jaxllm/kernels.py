@@ -94,8 +94,8 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
     `tensor_parallel_size` devices.
     interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own.
     layer_loop: "auto" = unrolled on GPU, a scan elsewhere."""
-    if mesh is not None:
-        tensor_parallel_size = mesh.shape[TP_AXIS]
+    if mesh is not None:  # every device of the mesh (an expert-parallel mesh is tp x ep)
+        tensor_parallel_size = mesh.size
     if attn_impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention implementation {attn_impl!r}; choose one of {ATTENTION_IMPLS}")
     if matmul_impl not in MATMUL_IMPLS:

@@ -1,4 +1,5 @@
-"""Tensor-parallel sharding: logical axis names on parameters -> a 1-D device mesh axis ``tp``.
+"""Tensor-parallel sharding: logical axis names on parameters -> a device mesh axis ``tp`` (and ``ep`` for a
+mixture of experts' experts, with expert parallelism).
 
 Heads, KV heads, the MLP hidden dim and (when it divides) the vocabulary are split across ``tp`` devices
 (Megatron style: column-parallel q/k/v/gate/up, row-parallel o/down); everything else is replicated. XLA's
@@ -14,30 +15,47 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 from jaxllm.config import ConfigError, ModelConfig
 
 TP_AXIS = "tp"
+EP_AXIS = "ep"
 
 
-def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None) -> Mesh:
+def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None, expert_parallel_size: int = 1) -> Mesh:
+    """A 1-D ``tp`` mesh; with expert parallelism, ``ep`` x ``tp``: the experts split over ``ep`` (each expert's
+    rows over ``tp`` too), everything else as on one ``tp`` group, the same on every ``ep`` row."""
     devices = devices if devices is not None else jax.devices()
-    if tensor_parallel_size < 1 or tensor_parallel_size > len(devices):
-        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size} needs that many devices; "
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    if tp < 1 or ep < 1 or tp * ep > len(devices):
+        raise ConfigError(f"tensor_parallel_size={tp} x expert_parallel_size={ep} needs that many devices; "
                           f"{len(devices)} available ({jax.default_backend()})")
-    return Mesh(np.asarray(devices[:tensor_parallel_size]), (TP_AXIS,), axis_types=(AxisType.Auto,))
+    if ep == 1:
+        return Mesh(np.asarray(devices[:tp]), (TP_AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(np.asarray(devices[:tp * ep]).reshape(ep, tp), (EP_AXIS, TP_AXIS),
+                axis_types=(AxisType.Auto, AxisType.Auto))
 
 
-def check_tensor_parallel(cfg: ModelConfig, tp: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1) -> None:
     for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size)):
+                    ("intermediate_size", cfg.intermediate_size), ("moe_intermediate_size", cfg.moe_intermediate_size),
+                    ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if n % tp:
             raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={n}")
+    if ep > 1 and (not cfg.num_experts or cfg.num_experts % ep):
+        raise ConfigError(f"expert_parallel_size={ep} must divide the number of experts ({cfg.num_experts})"
+                          if cfg.num_experts else f"expert_parallel_size={ep} needs a mixture-of-experts model")
 
 
-def logical_rules(cfg: ModelConfig, tp: int) -> dict[str, str | None]:
-    check_tensor_parallel(cfg, tp)
+def logical_rules(cfg: ModelConfig, tp: int, ep: int = 1) -> dict[str, str | None]:
+    check_tensor_parallel(cfg, tp, ep)
     return {
         "q_heads": TP_AXIS, "kv_heads": TP_AXIS, "mlp": TP_AXIS,
         "vocab": TP_AXIS if cfg.vocab_size % tp == 0 else None,
         "embed": None,
+        "expert": EP_AXIS if ep > 1 else None,
     }
+
+
+def mesh_rules(cfg: ModelConfig, mesh: Mesh) -> dict[str, str | None]:
+    """`logical_rules` for `mesh`'s tensor- and expert-parallel sizes."""
+    return logical_rules(cfg, mesh.shape[TP_AXIS], dict(mesh.shape).get(EP_AXIS, 1))
 
 
 def named_sharding(mesh: Mesh, rules: dict[str, str | None], axes: tuple[str | None, ...]) -> NamedSharding:
@@ -54,7 +72,7 @@ def shard_abstract(model, mesh: Mesh) -> None:
     give them on `mesh`: enough to lower or export a tensor-parallel step without weights."""
     from flax import nnx
 
-    rules = logical_rules(model.config, mesh.shape[TP_AXIS])
+    rules = mesh_rules(model.config, mesh)
     for _, var in nnx.to_flat_state(nnx.state(model)):
         value = var.get_value()
         var.set_value(jax.ShapeDtypeStruct(value.shape, value.dtype,

@@ -5,8 +5,9 @@ the platform's for others: cpu, gpu, tpu), JAXLLM_MODEL (a folder, a GGUF
 file, or a hub id org/name or org/name:QUANT), JAXLLM_REVISION, JAXLLM_DOWNLOAD_DIR (hub ids; HF_HOME, HF_HUB_CACHE,
 HF_HUB_OFFLINE, HF_TOKEN, HF_ENDPOINT as huggingface_hub reads them),
 JAXLLM_SERVED_MODEL_NAME, JAXLLM_API_KEY, JAXLLM_MAX_MODEL_LEN, JAXLLM_NUM_PAGES, JAXLLM_KV_MEMORY_FRACTION,
-JAXLLM_KV_CACHE_DTYPE, JAXLLM_TENSOR_PARALLEL_SIZE, JAXLLM_MAX_NUM_SEQS, JAXLLM_MAX_NUM_BATCHED_TOKENS,
-JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE, JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL,
+JAXLLM_KV_CACHE_DTYPE, JAXLLM_TENSOR_PARALLEL_SIZE, JAXLLM_EXPERT_PARALLEL_SIZE, JAXLLM_MAX_NUM_SEQS,
+JAXLLM_MAX_NUM_BATCHED_TOKENS, JAXLLM_MAX_WAITING_REQUESTS, JAXLLM_COMPILATION_CACHE_DIR, JAXLLM_DTYPE,
+JAXLLM_ATTN_IMPL, JAXLLM_MATMUL_IMPL,
 JAXLLM_QUANTIZATION (auto: a GGUF file's own; int8; none), JAXLLM_ASYNC_SCHEDULING (default true),
 JAXLLM_NUM_HOSTS, JAXLLM_HOST_RANK, JAXLLM_COORDINATOR_ADDRESS (multi-host: one model over several hosts),
 JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 30), JAXLLM_MAX_N
@@ -49,8 +50,8 @@ def _flag(value: str) -> bool:
 _ENGINE_ENV = {
     "model": str, "revision": str, "download_dir": str,
     "served_model_name": str, "max_model_len": int, "num_pages": int, "kv_memory_fraction": float,
-    "kv_cache_dtype": str, "tensor_parallel_size": int, "max_num_seqs": int, "max_num_batched_tokens": int,
-    "max_waiting_requests": int,
+    "kv_cache_dtype": str, "tensor_parallel_size": int, "expert_parallel_size": int, "max_num_seqs": int,
+    "max_num_batched_tokens": int, "max_waiting_requests": int,
     "compilation_cache_dir": str, "dtype": str, "attn_impl": str, "matmul_impl": str, "max_n": int,
     "quantization": str, "num_hosts": int, "host_rank": int, "coordinator_address": str,
     "runner": str, "pooling": str, "normalize_embeddings": _flag, "score_template": str,

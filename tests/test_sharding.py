@@ -115,3 +115,43 @@ def test_tensor_parallel_mixture_of_experts_matches_single_device(tiny_model_dir
         cfg.num_layers, cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
+@pytest.mark.parametrize(("tp", "ep"), [(1, 2), (1, 4), (2, 2)])
+def test_expert_parallel_matches_single_device(tp, ep, tiny_model_dir):
+    """The experts split over `ep` groups of `tp` devices (each expert's rows over `tp` too), attention over `tp`."""
+    folder, _ = tiny_model_dir("qwen3_moe")
+    ids = np.random.default_rng(3).integers(0, 1024, (2, 9))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference"), ids)
+    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp, expert_parallel_size=ep)
+    assert dict(lm.mesh.shape) == {"ep": ep, "tp": tp}
+    cfg = lm.config
+    gate_up = lm.model.layers.layer.mlp.experts.gate_up_proj.weight[...]  # [layers, experts, 2 * mlp, hidden]
+    assert gate_up.addressable_shards[0].data.shape == (
+        cfg.num_layers, cfg.num_experts // ep, 2 * cfg.moe_intermediate_size // tp, cfg.hidden_size)
+    qkv = lm.model.layers.layer.self_attn.qkv_proj.weight[...]
+    assert qkv.addressable_shards[0].data.shape[1] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_expert_parallel_needs_experts_it_divides(tiny_model_dir):
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        load_model(tiny_model_dir("qwen2_tp")[0], dtype="float32", expert_parallel_size=2)
+    with pytest.raises(ConfigError, match="must divide the number of experts"):
+        load_model(tiny_model_dir("qwen3_moe")[0], dtype="float32", expert_parallel_size=3)
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_an_expert_parallel_engine_generates_as_one_device(tiny_model_dir, compile_cache_dir):
+    from jaxllm import LLM, SamplingParams
+
+    folder, _ = tiny_model_dir("qwen3_moe")
+    options = dict(dtype="float32", attn_impl="reference", max_num_seqs=4, max_num_batched_tokens=16, num_pages=64,
+                   max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir)
+    prompts = [{"prompt_token_ids": np.random.default_rng(n).integers(3, 1024, n).tolist()} for n in (7, 19)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = [[o.outputs[0].token_ids for o in LLM(str(folder), expert_parallel_size=ep, **options).generate(
+        prompts, params, use_tqdm=False)] for ep in (1, 2)]
+    assert tokens[0] == tokens[1]

@@ -106,6 +106,8 @@ FLAGS = [
          _json_or(int, "image")),
     Flag(("--tensor-parallel-size", "-tp"), "JAXLLM_TENSOR_PARALLEL_SIZE", "parallel", "devices one model spans",
          int),
+    Flag(("--expert-parallel-size", "-ep"), "JAXLLM_EXPERT_PARALLEL_SIZE", "parallel", "groups of "
+         "tensor-parallel devices a mixture of experts' experts are split over", int),
     Flag(("--data-parallel-size", "-dp"), "JAXLLM_DATA_PARALLEL_SIZE", "parallel", "engine cores, each with its own "
          "share of the devices and its own copy of the model", int),
     Flag(("--nnodes",), "JAXLLM_NUM_HOSTS", "parallel", "hosts one model spans (multi-host)", int),

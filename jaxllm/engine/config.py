@@ -72,6 +72,9 @@ class EngineConfig:
     served_model_name: str | None = None
     dtype: str = "auto"
     tensor_parallel_size: int = 1  # may span hosts (num_hosts > 1): the mesh holds every host's devices
+    # A mixture of experts' experts split over this many groups of tensor_parallel_size devices (the rest of the
+    # model the same on every group): tensor_parallel_size x expert_parallel_size devices in all
+    expert_parallel_size: int = 1
     # Multi-host (one model over several hosts' devices; see jaxllm.engine.multihost): every host runs with the same
     # config except host_rank; rank 0 schedules and serves, the others follow its steps.
     num_hosts: int = 1
@@ -131,6 +134,7 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         checks = [
             (self.tensor_parallel_size >= 1, "tensor_parallel_size must be >= 1"),
+            (self.expert_parallel_size >= 1, "expert_parallel_size must be >= 1"),
             (self.num_hosts >= 1, "num_hosts must be >= 1"),
             (0 <= self.host_rank < self.num_hosts, "host_rank must be in [0, num_hosts)"),
             (self.num_hosts == 1 or bool(self.coordinator_address),

@@ -78,6 +78,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     executable_cache = _executable_cache(config) if model is None and loaded is None else None
     if model is None and loaded is None:
         loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
+                            expert_parallel_size=config.expert_parallel_size,
                             attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
                             kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
                             revision=config.revision, download_dir=config.download_dir)
@@ -85,7 +86,8 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     if loaded is not None:
         model, tokenizer, mesh, name = loaded.model, tokenizer or loaded.tokenizer, loaded.mesh, loaded.name
     else:
-        mesh, name = make_mesh(config.tensor_parallel_size), "custom-model"
+        mesh, name = make_mesh(config.tensor_parallel_size,
+                               expert_parallel_size=config.expert_parallel_size), "custom-model"
     if model.kernels.layer_loop == "unrolled":
         model.arrange_layers()  # separate layers on GPU, as loads are (a model passed in that a caller edits
         # as separate layers on CPU is left as it is)

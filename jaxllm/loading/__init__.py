@@ -93,7 +93,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
                attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
                load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None,
                quantization: str | None = "auto", revision: str | None = None,
-               download_dir: str | Path | None = None) -> LoadedModel:
+               download_dir: str | Path | None = None, expert_parallel_size: int = 1) -> LoadedModel:
     """path: a folder, a GGUF file, a hub id (`resolve_model`; revision and download_dir are for hub ids), or None
     for the embedded model. quantization: "auto" (a GGUF file's weights stay in their own quantization, anything
     else as stored), "gguf" (the same, for GGUF files only), "int8" (per-channel int8 of every linear weight and
@@ -102,8 +102,8 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     resolved = resolve_model(path, revision=revision, download_dir=download_dir)
     p = resolved.path
     dt = resolve_dtype(dtype)
-    mesh = mesh or make_mesh(tensor_parallel_size)
-    tp = mesh.shape["tp"]
+    mesh = mesh or make_mesh(tensor_parallel_size, expert_parallel_size=expert_parallel_size)
+    tp, ep = mesh.shape["tp"], dict(mesh.shape).get("ep", 1)
     kernels = choose_kernels(attn_impl, matmul_impl, platform=next(iter(mesh.devices.flat)).platform, dtype=dt,
                              kv_dtype=resolve_kv_cache_dtype(kv_cache_dtype, dt), mesh=mesh)
     tokenizer = None
@@ -113,7 +113,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     if p.is_file():
         g = GGUFFile(p)
         cfg = gguf_config(g)
-        check_tensor_parallel(cfg, tp)
+        check_tensor_parallel(cfg, tp, ep)
         plan = gguf_quant_plan(g) if quantization in ("auto", "gguf") else \
             int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, gguf_tensors(g, cfg, quantized=quantization in ("auto", "gguf")), dtype=dt,
@@ -127,7 +127,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh)
         cfg = model.config
     elif is_encoder_folder(p):
-        if tp > 1 or quantization not in ("auto", "none"):
+        if mesh.size > 1 or quantization not in ("auto", "none"):
             raise LoadError(f"{p}: encoders run on one device with float weights")
         model, tokenizer = load_encoder(p, dt)
         cfg, plan = model.config, {}
@@ -139,7 +139,7 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         cfg, plan = model.config, {}
     else:
         cfg = load_hf_config(p)
-        check_tensor_parallel(cfg, tp)
+        check_tensor_parallel(cfg, tp, ep)
         plan = int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan,
                                read_stats=read)

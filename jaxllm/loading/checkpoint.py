@@ -16,7 +16,7 @@ from jaxllm.kernels import Kernels
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.weights import abstract_model
 from jaxllm.models.llama import LlamaForCausalLM
-from jaxllm.sharding import logical_rules, named_sharding
+from jaxllm.sharding import mesh_rules, named_sharding
 from jaxllm.tokenizer.tokenizer import Tokenizer
 from pallas_kernels.quantized_matmul import QuantFormat
 
@@ -83,7 +83,7 @@ def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh)
         if (path / QUANT_FILE).is_file() else {}
     # saved layer by layer
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, stacked=False, quantization=plan))
-    rules = logical_rules(cfg, mesh.shape["tp"])
+    rules = mesh_rules(cfg, mesh)
     target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),

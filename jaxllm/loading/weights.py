@@ -30,7 +30,7 @@ from jaxllm.loading.quantize import HostQuantized, convert
 from jaxllm.models.family import LLAMA_FUSED
 from jaxllm.models.llama import LlamaForCausalLM, QuantPlan
 from jaxllm.models.registry import architecture_spec
-from jaxllm.sharding import logical_rules, named_sharding
+from jaxllm.sharding import mesh_rules, named_sharding
 from pallas_kernels.quantized_matmul import QuantizedWeight
 
 # Tensors some checkpoints carry that the model recomputes.
@@ -208,7 +208,7 @@ def assemble_model(
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, quantization=plan))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
-    rules = logical_rules(cfg, mesh.shape["tp"])
+    rules = mesh_rules(cfg, mesh)
     shardings = {path: named_sharding(mesh, rules, var.get_metadata()["axes"]) for path, var in variables.items()}
     regions = {path: local_region(tuple(var.get_value().shape), shardings[path]) for path, var in variables.items()}
 
