@@ -203,3 +203,44 @@ class _ShiftedNorms:
     def state_dict(self) -> dict:
         return {name: t + 1 if name.endswith("norm.weight") else t
                 for name, t in self.hf_model.state_dict().items() if name != "lm_head.weight"}
+
+
+def write_qwen3_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
+    """A qwen3moe GGUF as llama.cpp's converter writes one: each layer's experts stacked per projection
+    (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, [experts, out, in]), the router in `ffn_gate_inp`, the expert
+    count, top-k and width in the metadata, q/k rows in Hugging Face's order."""
+    cfg = hf_model.config
+    w = _writer(path, "qwen3moe", cfg)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    _add_vocab(w, cfg.vocab_size, spm=True)  # llama.cpp loads no BPE vocabulary without merges
+    names = {**HF_TO_GGUF, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate": "ffn_gate_inp"}
+    for name, tensor in hf_model.state_dict().items():
+        a = tensor.numpy().astype(np.float32)
+        parts = name.split(".")
+        if parts[1] == "layers":
+            module = ".".join(parts[3:-1]) if parts[-1] in ("weight", "bias") else ".".join(parts[3:])
+            if module == "mlp.experts.gate_up_proj":  # [experts, 2 * mlp, hidden]: gate rows, then up rows
+                f = a.shape[1] // 2
+                out = {"ffn_gate_exps": a[:, :f], "ffn_up_exps": a[:, f:]}
+            elif module == "mlp.experts.down_proj":
+                out = {"ffn_down_exps": a}
+            else:
+                out = {names[module]: a}
+            out = {f"blk.{parts[2]}.{k}.weight": v for k, v in out.items()}
+        else:
+            out = {{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]: a}
+        for gname, v in out.items():
+            if v.ndim >= 2 and weight_type != T.F32 and not gname.endswith("ffn_gate_inp.weight"):
+                w.add_tensor(gname, quants.quantize(np.ascontiguousarray(v), weight_type), raw_dtype=weight_type)
+            else:
+                w.add_tensor(gname, np.ascontiguousarray(v))
+    _finish(w)
+    return path

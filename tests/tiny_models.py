@@ -34,7 +34,7 @@ ARCHITECTURE_CASES = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})),
     # Mixtures of experts: 8 experts, 2 (Mixtral, Qwen2-MoE) or 3 per token, renormalised or not, a shared expert
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=24, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=48,
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=64,
                                          norm_topk_prob=True, tie_word_embeddings=False)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=96, tie_word_embeddings=False)),

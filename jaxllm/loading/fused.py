@@ -18,19 +18,23 @@ from jaxllm.config import ModelConfig
 NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2}  # the parts of each (which module is which: `FamilySpec.fused`)
 
 
-def part_shapes(fused: str, cfg: ModelConfig, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Each part's shape as a checkpoint stores it, of a fused parameter of `shape` ([out, in] for weights, [out]
-    for biases; gate/up: two halves, whatever the MLP's width: a dense MLP's, an expert's, a shared expert's)."""
-    tail = shape[1:]
+def part_shapes(fused: str, cfg: ModelConfig, shape: tuple[int, ...], axis: int = 0) -> list[tuple[int, ...]]:
+    """Each part's shape as a checkpoint stores it, of a fused parameter of `shape` whose rows are `axis` ([out, in]
+    for weights, [out] for biases, [experts, out, in] for all of a layer's experts; gate/up: two halves, whatever
+    the MLP's width: a dense MLP's, an expert's, a shared expert's)."""
     if fused == "qkv_proj":
+        tail = shape[1:]
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         return [(q, *tail), (kv, *tail), (kv, *tail)]
-    return [(shape[0] // 2, *tail)] * 2
+    return [(*shape[:axis], shape[axis] // 2, *shape[axis + 1:])] * 2
 
 
-def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
+def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig, axis: int = 0) -> np.ndarray:
     """parts in PARTS order, shaped as `part_shapes` says (or the same share of each: one host's heads or MLP
-    rows) -> the fused [out, ...] array."""
+    rows) -> the fused array, its rows along `axis` (gate/up of all of a layer's experts: 1)."""
+    if fused != "qkv_proj":  # [..., mlp, 2, ...] -> [..., 2 * mlp, ...]
+        shape = parts[0].shape
+        return np.stack(parts, axis=axis + 1).reshape(*shape[:axis], 2 * shape[axis], *shape[axis + 1:])
     tail = parts[0].shape[1:]
     if fused == "qkv_proj":
         q, k, v = parts
@@ -39,7 +43,6 @@ def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
         grouped = np.concatenate([q.reshape(kvh, -1, d, *tail), k.reshape(kvh, 1, d, *tail),
                                   v.reshape(kvh, 1, d, *tail)], axis=1)  # [kv_heads, group + 2, head_dim, ...]
         return grouped.reshape(-1, *tail)
-    return np.stack(parts, axis=1).reshape(-1, *tail)  # [mlp, 2, ...] -> [2 * mlp, ...]
 
 
 def split_rows(parts: tuple[str, ...], cfg: ModelConfig) -> list[int]:

@@ -217,6 +217,10 @@ def assemble_model(
         local)."""
         return regions[path][0 if layer is None else len(layer):]
 
+    def slot_rank(path) -> int:
+        """A stacked variable's slot axes: its layer, and its expert for the experts' weights."""
+        return 2 if "experts" in path else 1
+
     def slots(path) -> int:
         """How many slots a stacked variable has: layers, times experts for the experts' weights."""
         return cfg.num_layers * (cfg.num_experts if "experts" in path else 1)
@@ -231,14 +235,15 @@ def assemble_model(
             continue  # tied checkpoints sometimes ship a copy of the embedding
         var_path, layer = _layer_slot(path)
         var = variables.get(var_path)
-        if var is None or (layer is not None and (len(layer) != 1 + ("experts" in var_path) or
+        if var is None or (layer is not None and (len(layer) > slot_rank(var_path) or
                                                   layer[0] >= cfg.num_layers or layer[1:] >= (cfg.num_experts,))):
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
         shape = tuple(var.get_value().shape)[0 if layer is None else len(layer):]
         fmt = plan.get(_role(var_path))
         if fmt is not None:  # the packed values' shape -> the weight's [out, in]
             shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
-        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape)[part]
+        rows = len(shape) - (2 if var_path[-1] == "weight" else 1)  # the out axis (1 for all of a layer's experts)
+        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape, rows)[part]
         window = None
         if fmt is None and getattr(load, "windowed", False):  # read only what this host's devices hold
             window = _window(region_of(var_path, layer), shape, expected)
@@ -312,7 +317,9 @@ def assemble_model(
             yield name, load, (path, layer, part, source, expected)
 
     def layer_done(path, layer):
-        filled[path].add(layer)
+        """`layer`'s slot filled: one expert's, or all of its experts' from one tensor (a GGUF file's)."""
+        filled[path].update([layer] if len(layer) == slot_rank(path) else
+                            [(*layer, j) for j in range(cfg.num_experts)])
         if len(filled[path]) == slots(path):
             for p in _variables(path, plan.get(_role(path))):
                 put(p, stacks.pop(p))
@@ -335,7 +342,7 @@ def assemble_model(
                 fused = QuantizedWeight(*(None if f[0] is None else fuse(path[-2], list(f), cfg)
                                           for f in zip(*ordered, strict=True)))
             else:
-                fused = fuse(path[-2], ordered, cfg)
+                fused = fuse(path[-2], ordered, cfg, len(expected) - (2 if path[-1] == "weight" else 1))
             del pending[(path, layer)]
             if layer is None:
                 put(path, fused)

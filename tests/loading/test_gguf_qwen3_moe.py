@@ -1,0 +1,51 @@
+"""Qwen3-MoE GGUF files as llama.cpp's converter writes them (each layer's experts stacked per projection, the
+router in `ffn_gate_inp`, expert count, top-k and width in the metadata): float32 logits equal transformers', and
+a Q8_0 file (experts dequantized to float as they load) keeps transformers' greedy tokens up to Q8_0's rounding.
+(llama.cpp's llama-bench loaded the Q8_0 file: checked by hand, the suite does not build llama.cpp.)"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.loading import load_model
+from tests.gguf_writer import write_qwen3_moe_gguf
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def test_f32_qwen3_moe_gguf_matches_transformers(tiny_model_dir, tmp_path):
+    import torch
+
+    _, hf_model = tiny_model_dir("qwen3_moe")
+    lm = load_model(write_qwen3_moe_gguf(hf_model, tmp_path / "moe.gguf"), dtype="float32", attn_impl="reference")
+    cfg = lm.config
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 3, 64, True)
+    ids = np.random.default_rng(0).integers(3, 1024, (1, 14))
+    with torch.no_grad():
+        expected = hf_model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(lm.model(jnp.asarray(ids))), expected, atol=1e-4, rtol=0)
+
+
+def test_q8_0_qwen3_moe_gguf_greedy_within_quantization(tiny_model_dir, tmp_path):
+    """Every greedy token is transformers' top token after the same prefix, or within 0.1 of its logit."""
+    import torch
+
+    _, hf_model = tiny_model_dir("qwen3_moe")
+    path = write_qwen3_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4)
+    assert dict(llm.engine.model.quantization)["qkv_proj"].name == "q8_0"  # attention kept quantized
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    exact = 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        tokens = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()  # [8, V]
+        chosen = logits[np.arange(len(tokens)), tokens]
+        assert np.all(chosen >= logits.max(axis=-1) - 0.1), (chosen, logits.max(axis=-1))
+        exact += int(np.sum(np.argmax(logits, axis=-1) == tokens))
+    assert exact >= 0.75 * 8 * len(prompts)
