@@ -67,9 +67,7 @@ class EngineCoreClient:
         try:
             info = self._handshake(timeout_s)
         except BaseException:  # (refused, timed out): close the sockets, or the context's finalizer blocks forever
-            self.monitor.close(linger=0)
-            self.sock.close(linger=0)
-            self.ctx.term()
+            self._close()
             raise
         self.info, self.stats = info, info.stats
         load = tokenizer_loader or _load_tokenizer
@@ -172,11 +170,27 @@ class EngineCoreClient:
             threading.Thread(target=self._read_forever, name="jaxllm-engine-client", daemon=True).start()
 
     def _read_forever(self) -> None:
-        while not self.stopped:
-            if self._ready:
-                self._read_until_lost()
-            else:
-                self._reconnect()
+        try:
+            while not self.stopped:
+                if self._ready:
+                    self._read_until_lost()
+                else:
+                    self._reconnect()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The sockets closed and the context ended, on the reader (the thread that polls them) once it stops: a
+        context left to the garbage collector with a monitored socket open blocks whichever thread collects it,
+        forever (pyzmq's finalizer terminates the context, which waits for the monitor)."""
+        with self._lock:
+            try:
+                self.sock.disable_monitor()
+            except self.zmq.ZMQError:
+                pass
+            self.monitor.close(linger=0)
+            self.sock.close(linger=500)  # the aborts `stop` sent go out first
+            self.ctx.term()
 
     def _read_until_lost(self) -> None:
         zmq = self.zmq

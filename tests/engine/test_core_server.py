@@ -99,6 +99,17 @@ def test_wrong_secret_is_refused(core):
         connect(core, secret="wrong")
 
 
+def test_a_stopped_client_closes_its_sockets(core):
+    """Its reader closes them and ends the context: left to the garbage collector, a context with a monitored socket
+    open blocked the collecting thread forever (once, pytest's main thread while it reported a failure)."""
+    client = connect(core)
+    client.stop()
+    deadline = time.monotonic() + 10
+    while not client.ctx.closed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert client.ctx.closed and client.sock.closed and client.monitor.closed
+
+
 def test_clients_cannot_abort_each_others_requests(core):
     a, b = connect(core), connect(core)
     try:
