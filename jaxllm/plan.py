@@ -69,6 +69,7 @@ class Plan:
     max_concurrency: float  # sequences of max_model_len tokens that fit at once
     context: int  # tokens of context per sequence assumed for the roofline
     decode_tok_s: dict[int, float]  # batch -> roofline tokens/s (all sequences together)
+    expert_bytes_per_device: int = 0  # a mixture of experts': all resident; a step reads the experts it routes to
 
 
 def bundled_model_config(served_model_name: str) -> ModelConfig | None:
@@ -112,12 +113,14 @@ def make_plan(cfg: ModelConfig, engine: EngineConfig, device: Device, tp: int, c
     model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None)
     model.stack_layers()
     rules = logical_rules(cfg, tp)
-    total = per_device = 0
+    total = per_device = experts = 0
     for _, var in nnx.to_flat_state(nnx.state(model)):
         size = int(np.prod(var.get_value().shape)) * itemsize
         split = any(rules.get(a) == TP_AXIS for a in var.get_metadata()["axes"] if a)
         total += size
         per_device += size // tp if split else size
+        if "expert" in var.get_metadata()["axes"]:
+            experts += size // tp if split else size
     kv_itemsize = jnp.dtype(resolve_kv_cache_dtype(engine.kv_cache_dtype, dtype)).itemsize
     kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_itemsize
     kv_token_device = kv_token // tp
@@ -129,10 +132,18 @@ def make_plan(cfg: ModelConfig, engine: EngineConfig, device: Device, tp: int, c
     decode = {}
     for batch in sorted({1, engine.max_num_seqs}):
         fits = min(batch, num_pages * engine.page_size // max(1, context))  # sequences whose context fits
-        step_bytes = per_device + fits * context * kv_token_device
+        step_bytes = per_device - experts + experts * _experts_read(cfg, fits) + fits * context * kv_token_device
         decode[fits] = fits * device.hbm_bytes_per_s / step_bytes
     return Plan(device, tp, total, per_device, kv_token, kv_token_device, num_pages, engine.page_size, max_len,
-                num_pages * engine.page_size / max_len if max_len else 0.0, context, decode)
+                num_pages * engine.page_size / max_len if max_len else 0.0, context, decode, experts)
+
+
+def _experts_read(cfg: ModelConfig, batch: int) -> float:
+    """The share of a layer's experts a decode step of `batch` tokens reads, routing uniform: 1 - (1 - k / E) ** batch
+    (k / E for one token: its active parameters)."""
+    if not cfg.num_experts:
+        return 1.0
+    return 1.0 - (1.0 - cfg.num_experts_per_tok / cfg.num_experts) ** batch
 
 
 def render(plan: Plan, cfg: ModelConfig) -> str:
@@ -142,7 +153,9 @@ def render(plan: Plan, cfg: ModelConfig) -> str:
         f"{cfg.num_kv_heads} KV heads x {cfg.head_dim}, vocab {cfg.vocab_size}",
         f"device: {plan.device.name} x {plan.tp} (HBM {gib(plan.device.hbm_bytes)}, "
         f"{plan.device.hbm_bytes_per_s / 1e12:.2f} TB/s)",
-        f"weights: {gib(plan.weight_bytes)} in all, {gib(plan.weight_bytes_per_device)} per device",
+        f"weights: {gib(plan.weight_bytes)} in all, {gib(plan.weight_bytes_per_device)} per device" + (
+            f" (experts {gib(plan.expert_bytes_per_device)} per device, all resident; a token reads "
+            f"{cfg.num_experts_per_tok} of {cfg.num_experts} per layer)" if plan.expert_bytes_per_device else ""),
         f"KV cache: {plan.kv_bytes_per_token / 1024:.0f} KiB per token in all, "
         f"{plan.kv_bytes_per_token_per_device / 1024:.0f} KiB per device",
         f"pages that fit: {plan.num_pages} x {plan.page_size} tokens = {plan.num_pages * plan.page_size} tokens "

@@ -89,3 +89,21 @@ def test_plan_a_model_by_name(tiny_model_dir, tmp_path):
         hub.close()
     bundled = _plan("meta-llama/Llama-3.1-70B-Instruct", "--tp", "8", HF_HUB_OFFLINE="1")
     assert bundled.returncode == 0 and "80 layers" in bundled.stdout
+
+
+def test_qwen3_moe_keeps_every_expert_and_reads_the_routed_ones():
+    """Qwen3-30B-A3B: all 128 experts resident; a batch-1 step reads 8 of them per layer (its ~3B active
+    parameters), a batch of b tokens the share 1 - (1 - 8/128) ** b."""
+    engine = EngineConfig.from_preset("llama-3.1-8b-h100")
+    cfg = bundled_model_config("Qwen/Qwen3-30B-A3B")
+    plan = make_plan(cfg, engine, DEVICES["h100"], tp=1, context=1024)
+    experts = 48 * 128 * 3 * 768 * 2048  # layers x experts x (gate, up, down) x width x hidden
+    assert plan.expert_bytes_per_device == 2 * experts
+    dense = plan.weight_bytes - 2 * experts
+    assert 3.0e9 < (dense + 2 * experts * 8 / 128) / 2 < 3.5e9  # "A3B": active parameters
+    kv = 1024 * plan.kv_bytes_per_token
+    assert plan.decode_tok_s[1] == pytest.approx(3.35e12 / (dense + 2 * experts * 8 / 128 + kv))
+    batch = max(plan.decode_tok_s)  # the most sequences whose context fits
+    share = 1 - (1 - 8 / 128) ** batch
+    assert batch > 1 and 8 / 128 < share < 1
+    assert plan.decode_tok_s[batch] == pytest.approx(batch * 3.35e12 / (dense + 2 * experts * share + batch * kv))

@@ -137,3 +137,37 @@ def test_the_70b_tp8_step_exports_for_tpu_with_the_intended_shardings():
     assert spec("['embed_tokens']['embedding']") == spec("['lm_head']['weight']") == '[{"tp"}, {}]'
     k_cache, v_cache = args[len(paths):len(paths) + 2]
     assert k_cache == v_cache == '[{"tp"}, {}, {}, {}]'  # each device holds its KV heads of every page
+
+
+QWEN3_MOE = bundled_model_config("Qwen/Qwen3-30B-A3B")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_qwen3_moe_step_exports_with_a_grouped_matmul(platform):
+    """Qwen3-30B-A3B's shapes (128 experts, 8 per token): the experts' matmuls are grouped (`ragged_dot`), one
+    scanned layer."""
+    runner, _ = _runner(QWEN3_MOE, "llama-3.1-8b-h100", platform)
+    module = _export(runner, runner.buckets[1], platform).mlir_module()
+    assert NATIVE_CALL[platform] in module and "stablehlo.while" in module
+    assert "ragged_dot" in module
+    assert "tensor<48x128x1536x2048xbf16>" in module  # every layer's experts' gate/up, stacked
+
+
+@pytest.mark.skipif(len(jax.devices()) < 8, reason="needs --xla_force_host_platform_device_count=8")
+def test_the_qwen3_moe_ep8_step_exports_for_tpu_with_the_experts_split():
+    mesh = make_mesh(1, expert_parallel_size=8)
+    runner, paths = _runner(QWEN3_MOE, "llama-3.1-8b-h100", "tpu", mesh)
+    exported = _export(runner, runner.buckets[1], "tpu")
+    module = exported.mlir_module()
+    assert exported.nr_devices == 8 and NATIVE_CALL["tpu"] in module
+    shardings = dict(zip(paths, _arg_shardings(module), strict=False))
+
+    def spec(fragment: str) -> str:
+        (match,) = [s for p, s in shardings.items() if fragment in p]
+        return match
+
+    # [layers, experts, out, in]: the experts split 8 ways (and each expert's rows over tp, of 1 device here);
+    # attention whole on every device
+    assert spec("['experts']['gate_up_proj']['weight'") == '[{}, {"ep"}, {"tp"}, {}]'
+    assert spec("['experts']['down_proj']['weight'") == '[{}, {"ep"}, {}, {"tp"}]'
+    assert "ep" not in spec("'qkv_proj']['weight'") and "ep" not in spec("['gate']['weight'")
