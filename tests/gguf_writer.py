@@ -205,25 +205,37 @@ class _ShiftedNorms:
                 for name, t in self.hf_model.state_dict().items() if name != "lm_head.weight"}
 
 
-def write_qwen3_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
-    """A qwen3moe GGUF as llama.cpp's converter writes one: each layer's experts stacked per projection
-    (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`, [experts, out, in]), the router in `ffn_gate_inp`, the expert
-    count, top-k and width in the metadata, q/k rows in Hugging Face's order."""
+def write_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
+    """A Qwen3-MoE ("qwen3moe"), Qwen2-MoE ("qwen2moe") or Mixtral ("llama" with experts) GGUF as llama.cpp's
+    converter writes one: each layer's experts stacked per projection (`ffn_gate_exps`, `ffn_up_exps`,
+    `ffn_down_exps`, [experts, out, in]), the router in `ffn_gate_inp`, a shared expert's tensors `*_shexp`, the
+    experts' count, top-k and widths in the metadata; q/k rows permuted for the llama architecture only."""
     cfg = hf_model.config
-    w = _writer(path, "qwen3moe", cfg)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}[cfg.model_type]
+    w = _writer(path, arch, cfg)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_experts)
+    w.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch != "llama":
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "sliding_window", None):  # the tiny Mixtral's (real Mixtral configs have none)
+        w.add_sliding_window(cfg.sliding_window)
     _add_vocab(w, cfg.vocab_size, spm=True)  # llama.cpp loads no BPE vocabulary without merges
     names = {**HF_TO_GGUF, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-             "mlp.gate": "ffn_gate_inp"}
+             "mlp.gate": "ffn_gate_inp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+             "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
+    heads = {"self_attn.q_proj": cfg.num_attention_heads, "self_attn.k_proj": cfg.num_key_value_heads}
     for name, tensor in hf_model.state_dict().items():
         a = tensor.numpy().astype(np.float32)
         parts = name.split(".")
+        kind = parts[-1] if parts[-1] in ("weight", "bias") else "weight"
         if parts[1] == "layers":
             module = ".".join(parts[3:-1]) if parts[-1] in ("weight", "bias") else ".".join(parts[3:])
             if module == "mlp.experts.gate_up_proj":  # [experts, 2 * mlp, hidden]: gate rows, then up rows
@@ -232,13 +244,15 @@ def write_qwen3_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
             elif module == "mlp.experts.down_proj":
                 out = {"ffn_down_exps": a}
             else:
+                if arch == "llama" and module in heads:
+                    a = permute(a, heads[module])
                 out = {names[module]: a}
-            out = {f"blk.{parts[2]}.{k}.weight": v for k, v in out.items()}
+            out = {f"blk.{parts[2]}.{k}.{kind}": v for k, v in out.items()}
         else:
             out = {{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                     "lm_head.weight": "output.weight"}[name]: a}
         for gname, v in out.items():
-            if v.ndim >= 2 and weight_type != T.F32 and not gname.endswith("ffn_gate_inp.weight"):
+            if v.ndim >= 2 and weight_type != T.F32 and "ffn_gate_inp" not in gname:
                 w.add_tensor(gname, quants.quantize(np.ascontiguousarray(v), weight_type), raw_dtype=weight_type)
             else:
                 w.add_tensor(gname, np.ascontiguousarray(v))

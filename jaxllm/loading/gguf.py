@@ -13,7 +13,7 @@ from jaxllm.loading.gguf_file import GGUFFile
 from jaxllm.loading.gguf_quant import FORMATS
 from jaxllm.loading.quantize import join_plan, role_of
 from jaxllm.models.family import FamilySpec
-from jaxllm.models.registry import architecture_spec, gguf_architectures
+from jaxllm.models.registry import architecture_spec, gguf_architectures, gguf_spec
 from pallas_kernels.quantized_matmul import QuantFormat
 
 
@@ -32,10 +32,11 @@ def gguf_to_hf_name(name: str, spec: FamilySpec) -> str | None:
 
 def gguf_family(g: GGUFFile) -> FamilySpec:
     arch = g.metadata.get("general.architecture")
-    known = gguf_architectures()
-    if arch not in known:
+    spec = gguf_spec(arch, g.metadata)
+    if spec is None:
+        known = gguf_architectures()
         raise LoadError(f"{g.path}: unsupported GGUF architecture {arch!r}; supported: {', '.join(sorted(known))}")
-    return architecture_spec(known[arch])
+    return spec
 
 
 def gguf_config(g: GGUFFile) -> ModelConfig:

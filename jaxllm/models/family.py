@@ -37,6 +37,9 @@ HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_ta
 class FamilySpec:
     architecture: str  # Hugging Face `architectures[0]`
     gguf_arch: str | None = None  # `general.architecture` of its GGUF files (None: no GGUF support)
+    # Whether a file of `gguf_arch` is this family's, by its metadata, where families share an architecture name
+    # (Mixtral's files are llama's with experts); families with a test are tried before those without.
+    gguf_when: Callable[[Mapping[str, Any]], bool] | None = None
     # How its config differs from Llama's (read by `read_config`).
     attention_bias_default: bool = False
     o_bias_follows_attention_bias: bool = True

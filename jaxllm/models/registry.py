@@ -62,10 +62,20 @@ def architecture_spec(name: str) -> FamilySpec:
 
 
 def gguf_architectures() -> dict[str, str]:
-    """GGUF `general.architecture` -> the Hugging Face architecture its files load as (the first family
-    registered for it: Llama's for "llama", which Mistral's files share)."""
+    """GGUF `general.architecture` -> the Hugging Face architecture its files load as by default (the first family
+    registered for it without a `gguf_when` test: Llama's for "llama", which Mistral's files share)."""
     out: dict[str, str] = {}
     for spec in ARCHITECTURES.values():
-        if spec.gguf_arch is not None:
+        if spec.gguf_arch is not None and spec.gguf_when is None:
             out.setdefault(spec.gguf_arch, spec.architecture)
     return out
+
+
+def gguf_spec(arch: str, metadata) -> FamilySpec | None:
+    """The family a GGUF file of `arch` with `metadata` loads as: the first whose `gguf_when` holds, else the
+    default (`gguf_architectures`); None if no family reads `arch`."""
+    for spec in ARCHITECTURES.values():
+        if spec.gguf_arch == arch and spec.gguf_when is not None and spec.gguf_when(metadata):
+            return spec
+    default = gguf_architectures().get(arch)
+    return None if default is None else ARCHITECTURES[default]

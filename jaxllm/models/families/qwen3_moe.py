@@ -5,13 +5,9 @@ Its GGUF files (llama.cpp's "qwen3moe") hold each layer's experts in one tensor 
 `ffn_up_exps`, `ffn_down_exps`, [experts, out, in]) and the router in `ffn_gate_inp`; llama.cpp always renormalises
 the top-k (every Qwen3-MoE checkpoint has `norm_topk_prob`). The experts load as float."""
 
-from jaxllm.config import ConfigError
-from jaxllm.models.families.moe_config import MOE_QUANTIZABLE, moe_config
-from jaxllm.models.family import LLAMA_GGUF_LAYER_NAMES, FamilySpec
+from jaxllm.models.families.moe_config import MOE_GGUF_LAYER_NAMES, MOE_QUANTIZABLE, moe_config, moe_gguf_config
+from jaxllm.models.family import FamilySpec
 from jaxllm.models.moe import MoE
-
-MOE_GGUF_LAYER_NAMES = {**LLAMA_GGUF_LAYER_NAMES, "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                        "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 
 
 def read_config(hf, spec):
@@ -19,13 +15,7 @@ def read_config(hf, spec):
 
 
 def read_gguf(meta, arch, fields):
-    def get(key):
-        if f"{arch}.{key}" not in meta:
-            raise ConfigError(f"metadata {arch}.{key} is missing")
-        return int(meta[f"{arch}.{key}"])
-
-    return dict(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
-                moe_intermediate_size=get("expert_feed_forward_length"), norm_topk_prob=True)
+    return moe_gguf_config(meta, arch, fields, norm_topk_prob=True)
 
 
 SPEC = FamilySpec("Qwen3MoeForCausalLM", gguf_arch="qwen3moe", qk_norm=True, config_reader=read_config, mlp=MoE,

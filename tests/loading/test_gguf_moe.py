@@ -1,7 +1,9 @@
-"""Qwen3-MoE GGUF files as llama.cpp's converter writes them (each layer's experts stacked per projection, the
+"""Mixture-of-experts GGUF files as llama.cpp's converter writes them (Qwen3-MoE's "qwen3moe", Qwen2-MoE's
+"qwen2moe" with its shared expert, Mixtral's "llama" with experts; each layer's experts stacked per projection, the
 router in `ffn_gate_inp`, expert count, top-k and width in the metadata): float32 logits equal transformers', and
-a Q8_0 file (experts dequantized to float as they load) keeps transformers' greedy tokens up to Q8_0's rounding.
-(llama.cpp's llama-bench loaded the Q8_0 file: checked by hand, the suite does not build llama.cpp.)"""
+a Q8_0 Qwen3-MoE file (experts dequantized to float as they load) keeps transformers' greedy tokens up to Q8_0's
+rounding. (llama.cpp's llama-server gave the same greedy tokens on the float32 Qwen3-MoE file: checked by hand, the
+suite does not build llama.cpp.)"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,18 +12,21 @@ from gguf import GGMLQuantizationType as T
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.loading import load_model
-from tests.gguf_writer import write_qwen3_moe_gguf
+from tests.gguf_writer import write_moe_gguf
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-def test_f32_qwen3_moe_gguf_matches_transformers(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_f32_moe_gguf_matches_transformers(case, tiny_model_dir, tmp_path):
     import torch
 
-    _, hf_model = tiny_model_dir("qwen3_moe")
-    lm = load_model(write_qwen3_moe_gguf(hf_model, tmp_path / "moe.gguf"), dtype="float32", attn_impl="reference")
-    cfg = lm.config
-    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (8, 3, 64, True)
+    _, hf_model = tiny_model_dir(case)
+    lm = load_model(write_moe_gguf(hf_model, tmp_path / "moe.gguf"), dtype="float32", attn_impl="reference")
+    cfg, hf = lm.config, hf_model.config
+    assert cfg.architecture == hf.architectures[0]
+    assert (cfg.num_experts, cfg.num_experts_per_tok) == (8, hf.num_experts_per_tok)
+    assert cfg.norm_topk_prob == (case != "qwen2_moe")
     ids = np.random.default_rng(0).integers(3, 1024, (1, 14))
     with torch.no_grad():
         expected = hf_model(torch.tensor(ids)).logits.numpy()
@@ -33,7 +38,7 @@ def test_q8_0_qwen3_moe_gguf_greedy_within_quantization(tiny_model_dir, tmp_path
     import torch
 
     _, hf_model = tiny_model_dir("qwen3_moe")
-    path = write_qwen3_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
+    path = write_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4)
     assert dict(llm.engine.model.quantization)["qkv_proj"].name == "q8_0"  # attention kept quantized
     rng = np.random.default_rng(5)
