@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
 from jaxllm.loading import load_model
 from tests.gguf_writer import write_gemma_gguf
+from tests.quantized_greedy import assert_greedy_within
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -43,23 +44,10 @@ def test_f32_gemma_gguf_matches_transformers(case, tiny_model_dir, tmp_path):
 def test_q8_0_gemma_gguf_kept_quantized_greedy_within_quantization(case, tiny_model_dir, tmp_path):
     """Every greedy token of the Q8_0 file served from its blocks is transformers' top token after the same prefix,
     or within Q8_0's rounding of it (0.1 below the top logit: weights of std 0.08 give errors ~0.05 on logits)."""
-    import torch
-
     _, hf_model = tiny_model_dir(case)
     reference = _scaled_by_head_dim(hf_model)
     path = write_gemma_gguf(hf_model, tmp_path / f"{case}-q8_0.gguf", T.Q8_0)
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4)
     assert dict(llm.engine.model.quantization)["qkv_proj"].name == "q8_0"
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    exact = 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        tokens = list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()  # [8, V]
-        chosen = logits[np.arange(len(tokens)), tokens]
-        assert np.all(chosen >= logits.max(axis=-1) - 0.1), (chosen, logits.max(axis=-1))
-        exact += int(np.sum(np.argmax(logits, axis=-1) == tokens))
-    assert exact >= 0.75 * 8 * len(prompts)  # near-ties are few
+    assert_greedy_within(llm, reference, [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)])

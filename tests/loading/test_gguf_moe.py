@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as T
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import LLM
 from jaxllm.loading import load_model
 from tests.gguf_writer import write_moe_gguf
+from tests.quantized_greedy import assert_greedy_within
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -35,22 +36,9 @@ def test_f32_moe_gguf_matches_transformers(case, tiny_model_dir, tmp_path):
 
 def test_q8_0_qwen3_moe_gguf_greedy_within_quantization(tiny_model_dir, tmp_path):
     """Every greedy token is transformers' top token after the same prefix, or within 0.1 of its logit."""
-    import torch
-
     _, hf_model = tiny_model_dir("qwen3_moe")
     path = write_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4)
     assert dict(llm.engine.model.quantization)["qkv_proj"].name == "q8_0"  # attention kept quantized
     rng = np.random.default_rng(5)
-    prompts = [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-    exact = 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        tokens = list(out.outputs[0].token_ids)
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].numpy()  # [8, V]
-        chosen = logits[np.arange(len(tokens)), tokens]
-        assert np.all(chosen >= logits.max(axis=-1) - 0.1), (chosen, logits.max(axis=-1))
-        exact += int(np.sum(np.argmax(logits, axis=-1) == tokens))
-    assert exact >= 0.75 * 8 * len(prompts)
+    assert_greedy_within(llm, hf_model, [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)])
