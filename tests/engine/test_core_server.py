@@ -17,11 +17,24 @@ from jaxllm.engine.engine_loop import EngineDeadError, EngineLoop
 SECRET = "test-secret"
 
 
-@pytest.fixture(scope="module")
-def tiny_llm(tiny_model_dir, compile_cache_dir):
+def _tiny_llm(tiny_model_dir, compile_cache_dir) -> LLM:
     folder, _ = tiny_model_dir("llama")
     return LLM(str(folder), dtype="float32", attn_impl="reference", max_num_seqs=8, max_num_batched_tokens=32,
                num_pages=128, max_model_len=128, page_size=4, compilation_cache_dir=compile_cache_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir, compile_cache_dir):
+    """The engine the module's core serves: only its core's loop steps it."""
+    return _tiny_llm(tiny_model_dir, compile_cache_dir)
+
+
+@pytest.fixture(scope="module")
+def other_llm(tiny_model_dir, compile_cache_dir):
+    """An engine of the same shape that no core of the module's serves: the reference outputs, and a core of its own
+    for the tests that stop one (an engine stepped by two threads at once, its core's and the test's, went wrong
+    under load)."""
+    return _tiny_llm(tiny_model_dir, compile_cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +79,16 @@ def wait_idle(core, timeout=30):
     return False
 
 
-def test_outputs_equal_the_engines_own(core, tiny_llm):
+def test_outputs_equal_the_engines_own(core, tiny_llm, other_llm):
     client = connect(core)
     try:
         assert client.alive and client.frontend.max_model_len == tiny_llm.engine.max_model_len
-        assert isinstance(client, EngineClient) and isinstance(EngineLoop(tiny_llm.engine, thread=False), EngineClient)
+        assert isinstance(client, EngineClient) and isinstance(EngineLoop(other_llm.engine, thread=False), EngineClient)
         prompts = [[1, 5, 9, 3], [7, 7, 2], [4, 11, 30, 8, 2, 6]]
         greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         sampled = SamplingParams(n=2, temperature=0.9, seed=7, max_tokens=10, ignore_eos=True, logprobs=2)
         for params in (greedy, sampled):
-            want = tiny_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            want = other_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             for i, (p, w) in enumerate(zip(prompts, want, strict=True)):
                 outs = run(client, f"r{i}", p, params)
                 got = outs[-1]
@@ -140,8 +153,8 @@ def test_a_vanished_client_has_its_requests_aborted(core):
     assert wait_idle(core), "the vanished client's requests kept their pages"
 
 
-def test_a_stopping_core_refuses_new_requests_and_drains(tiny_llm, tmp_path):
-    server = EngineCoreServer(tiny_llm.engine, f"ipc://{tmp_path}/core", SECRET)
+def test_a_stopping_core_refuses_new_requests_and_drains(other_llm, tmp_path):
+    server = EngineCoreServer(other_llm.engine, f"ipc://{tmp_path}/core", SECRET)
     status = []
     thread = threading.Thread(target=lambda: status.append(server.serve_forever()), daemon=True)
     thread.start()
