@@ -137,10 +137,9 @@ def _layer_slot(path: tuple) -> tuple[tuple, tuple[int, ...] | None]:
     variable (slot None)."""
     if len(path) > 1 and path[0] == "layers" and isinstance(path[1], int):
         rest = path[2:]
-        if "experts" in rest and rest.index("experts") + 1 < len(rest) and isinstance(
-                expert := rest[rest.index("experts") + 1], int):
-            at = rest.index("experts")
-            return ("layers", "layer", *rest[:at + 1], *rest[at + 2:]), (path[1], expert)
+        at = rest.index("experts") + 1 if "experts" in rest else len(rest)  # where an expert's index would be
+        if at < len(rest) and isinstance(rest[at], int):
+            return ("layers", "layer", *rest[:at], *rest[at + 1:]), (path[1], rest[at])
         return ("layers", "layer", *rest), (path[1],)
     return path, None
 
