@@ -158,4 +158,6 @@ def test_long_prompts_are_tokenized_off_the_hub_thread(server):
     print(f"\n/health while 4 x {len(text) // 1000} KB texts were tokenized: {len(latencies)} polls, "
           f"max {max(latencies) * 1e3:.1f} ms")
     assert [s for s, _ in results] == [200] * 4 and all(c > 60_000 for _, c in results)
-    assert len(latencies) >= 5 and max(latencies) < 0.1
+    # At most one poll slower than 100 ms (a pause of the process's own, e.g. a collection of the test process's
+    # heap when the server runs in it): tokenizing on the hub thread would stall a poll for each text.
+    assert len(latencies) >= 5 and sorted(latencies)[-2] < 0.1, sorted(latencies)[-3:]
