@@ -90,12 +90,11 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
                    dtype=jnp.float32, kv_dtype=None, tensor_parallel_size: int = 1, interpret: bool | None = None,
                    mesh: Mesh | None = None, layer_loop: str = "auto") -> Kernels:
     """The kernels for a step on `platform` (default: the current backend) with weights of `dtype` and a KV cache
-    of `kv_dtype` (default: `dtype`), over `mesh` (its ``tp`` size is the tensor-parallel size) or
+    of `kv_dtype` (default: `dtype`), over all of `mesh`'s devices or
     `tensor_parallel_size` devices.
     interpret: None = a Pallas kernel is interpreted exactly when `platform` is not its own.
     layer_loop: "auto" = unrolled on GPU, a scan elsewhere."""
-    if mesh is not None:  # every device of the mesh (an expert-parallel mesh is tp x ep)
-        tensor_parallel_size = mesh.size
+    devices = tensor_parallel_size if mesh is None else mesh.size  # an expert-parallel mesh is tp x ep
     if attn_impl not in ATTENTION_IMPLS:
         raise ValueError(f"unknown attention implementation {attn_impl!r}; choose one of {ATTENTION_IMPLS}")
     if matmul_impl not in MATMUL_IMPLS:
@@ -106,7 +105,7 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
     if layer_loop == "auto":
         layer_loop = "unrolled" if platform == "gpu" else "scan"
     kv_dtype = jnp.dtype(dtype if kv_dtype is None else kv_dtype)
-    cpu_kernels = platform == "cpu" and tensor_parallel_size == 1
+    cpu_kernels = platform == "cpu" and devices == 1
     if attn_impl == "auto":
         cpu_attention = cpu_kernels and kv_dtype in CPU_CACHE_DTYPES
         attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_attention else "reference")
@@ -121,7 +120,7 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
         interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
     # the integer path of this host (the step runs where it is built: the cpu kernels run on CPU only)
     isa = int8_isa.best() if matmul_impl == "cpu" else None
-    return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if tensor_parallel_size > 1 else None,
+    return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if devices > 1 else None,
                    layer_loop, isa)
 
 

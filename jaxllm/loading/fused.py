@@ -36,13 +36,12 @@ def fuse(fused: str, parts: list[np.ndarray], cfg: ModelConfig, axis: int = 0) -
         shape = parts[0].shape
         return np.stack(parts, axis=axis + 1).reshape(*shape[:axis], 2 * shape[axis], *shape[axis + 1:])
     tail = parts[0].shape[1:]
-    if fused == "qkv_proj":
-        q, k, v = parts
-        d = cfg.head_dim
-        kvh = k.shape[0] // d
-        grouped = np.concatenate([q.reshape(kvh, -1, d, *tail), k.reshape(kvh, 1, d, *tail),
-                                  v.reshape(kvh, 1, d, *tail)], axis=1)  # [kv_heads, group + 2, head_dim, ...]
-        return grouped.reshape(-1, *tail)
+    q, k, v = parts
+    d = cfg.head_dim
+    kvh = k.shape[0] // d
+    grouped = np.concatenate([q.reshape(kvh, -1, d, *tail), k.reshape(kvh, 1, d, *tail),
+                              v.reshape(kvh, 1, d, *tail)], axis=1)  # [kv_heads, group + 2, head_dim, ...]
+    return grouped.reshape(-1, *tail)
 
 
 def split_rows(parts: tuple[str, ...], cfg: ModelConfig) -> list[int]:

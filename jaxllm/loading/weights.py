@@ -144,6 +144,11 @@ def _layer_slot(path: tuple) -> tuple[tuple, tuple[int, ...] | None]:
     return path, None
 
 
+def _rows_axis(path: tuple, ndim: int) -> int:
+    """The out axis of a weight or bias of `ndim` axes (1 for a weight holding all of a layer's experts)."""
+    return ndim - (2 if path[-1] == "weight" else 1)
+
+
 def _role(path: tuple) -> str | None:
     """The quantizable weight a variable path holds (its packed values), e.g. 'qkv_proj'."""
     if path[-1] == "embedding":
@@ -241,8 +246,8 @@ def assemble_model(
         fmt = plan.get(_role(var_path))
         if fmt is not None:  # the packed values' shape -> the weight's [out, in]
             shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
-        rows = len(shape) - (2 if var_path[-1] == "weight" else 1)  # the out axis (1 for all of a layer's experts)
-        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape, rows)[part]
+        expected = shape if part is None else part_shapes(var_path[-2], cfg, shape,
+                                                          _rows_axis(var_path, len(shape)))[part]
         window = None
         if fmt is None and getattr(load, "windowed", False):  # read only what this host's devices hold
             window = _window(region_of(var_path, layer), shape, expected)
@@ -341,7 +346,7 @@ def assemble_model(
                 fused = QuantizedWeight(*(None if f[0] is None else fuse(path[-2], list(f), cfg)
                                           for f in zip(*ordered, strict=True)))
             else:
-                fused = fuse(path[-2], ordered, cfg, len(expected) - (2 if path[-1] == "weight" else 1))
+                fused = fuse(path[-2], ordered, cfg, _rows_axis(path, len(expected)))
             del pending[(path, layer)]
             if layer is None:
                 put(path, fused)

@@ -10,6 +10,8 @@ exact, but a CPU kernel that reads only the chosen experts' rows is still to com
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -60,8 +62,7 @@ class MoE(nnx.Module):
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.activation = cfg.activation
         if cfg.shared_expert_intermediate_size:
-            shared = ModelConfig(**{**{f: getattr(cfg, f) for f in cfg.__dataclass_fields__},
-                                    "intermediate_size": cfg.shared_expert_intermediate_size, "num_experts": 0})
+            shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = MLP(shared, dtype=dtype, rngs=rngs)
             self.shared_expert_gate = Linear(e, 1, ("embed", None), dtype=dtype, rngs=rngs)
         else:

@@ -57,9 +57,9 @@ def read_config(hf: dict[str, Any], spec: FamilySpec) -> ModelConfig:
 def gemma_gguf_config(meta: dict[str, Any], arch: str, fields: dict[str, Any], *, pattern: int,
                       big_layers: int) -> dict[str, Any]:
     """What a gemma2 / gemma3 GGUF file's metadata adds to the fields every family reads, as llama.cpp reads
-    them: the windowed layers (`attention.sliding_window_pattern`, an int or one flag per layer), the soft caps,
-    the attention scale (`big_layers`: the layer count of the model scaled by hidden / heads) and the windowed
-    layers' RoPE base (`rope.freq_base_swa`; Gemma 3's default 10k, Gemma 2's its global base)."""
+    them: the windowed layers (`attention.sliding_window_pattern`, an int or one flag per layer), the final soft cap
+    and the attention scale (`big_layers`: the layer count of the model scaled by hidden / heads); each family
+    adds its own (Gemma 2's attention soft cap, the windowed layers' RoPE base)."""
     layers, window = fields["num_layers"], fields["sliding_window"] or 0
     flags = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
     if np.ndim(flags):  # one flag per layer

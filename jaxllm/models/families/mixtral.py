@@ -9,8 +9,7 @@ from jaxllm.models.moe import MoE
 
 
 def read_config(hf, spec):
-    return moe_config(hf, spec, width_key="intermediate_size",
-                      norm_topk_default=True)
+    return moe_config(hf, spec, width_key="intermediate_size", norm_topk_default=True)
 
 
 def read_gguf(meta, arch, fields):
