@@ -16,7 +16,9 @@ Parts (each recorded even when another fails; the exit status is 1 if any check 
    32, 128 and 256 (prompt 1024, 128 new tokens) and prefill tok/s, against the HBM-bandwidth (decode) and
    FLOP (prefill) rooflines; and a device profile of decode steps at batch 1, 32 and 256 and of prefill steps
    (`device_profile.py`: time per kernel kind, idle gaps, the dearest kernels and their GB/s);
-5. no recompilation during the timed runs of parts 3 and 4.
+5. the decode step's matmuls: the Pallas skinny matmul against XLA's GEMM (cuBLAS) at the 8B model's weight
+   shapes, 1 and 16 rows, in weight GB/s, and a sweep of the kernel's block sizes (`skinny_matmul_speed.py`);
+and no recompilation during the timed runs of parts 3 and 4.
 Writes device_check.json and device_check.md under --out (after each part). `--parts 41` runs some parts, in
 that order.
 """
@@ -49,6 +51,7 @@ from jaxllm.plan import DEVICES, Device, bundled_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import device_profile as kernel_profile  # noqa: E402 (beside this script)
+import skinny_matmul_speed  # noqa: E402
 from paged_batch import random_paged_batch  # noqa: E402
 
 T0 = time.perf_counter()
@@ -78,6 +81,7 @@ class Sizes:
     engine: dict  # EngineConfig options of part 4's engine (only the buckets it runs: each is a long compile)
     agreement_engine: dict  # part 3's
     profile_batches: tuple[int, ...]  # decode batches of part 4 that are also profiled
+    skinny: dict  # part 5's options (`skinny_matmul_speed.run`)
 
 
 def sizes(smoke: bool) -> Sizes:
@@ -86,11 +90,12 @@ def sizes(smoke: bool) -> Sizes:
                            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
         return Sizes(((4, 64), (8, 128)), ((1, 40), (24, 24), (1, 100)), (4, 2, 16), 16, 2, 6, tiny, (1, 4), 32, 8,
                      {"max_num_batched_tokens": 64, "token_buckets": (4, 64)},
-                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)}, (4,))
+                     {"max_num_batched_tokens": 64, "token_buckets": (4, 64)}, (4,),
+                     {"rows": (1, 3), "rounds": 2, "interpret": jax.default_backend() != "gpu", "min_copy_bytes": 1})
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
                  1024, 128, {"max_num_batched_tokens": 2048, "token_buckets": (1, 32, 128, 256, 1024, 2048)},
-                 {"max_num_batched_tokens": 1024, "token_buckets": (16, 1024)}, (1, 32, 256))
+                 {"max_num_batched_tokens": 1024, "token_buckets": (16, 1024)}, (1, 32, 256), {})
 
 
 def device_profile() -> Device | None:
@@ -295,10 +300,13 @@ def _log(message: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f} s] {message}", flush=True)
 
 
-def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save=lambda part: None) -> dict:
+def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save=lambda part: None,
+                  matmul_impl: str = "auto") -> dict:
     """Timings first (each row saved as it lands), then the profiles while the deadline allows."""
     cfg = s.model
     model = random_stacked_model(cfg)
+    if matmul_impl != "auto":
+        model.set_matmul_impl(matmul_impl)
     stats = jax.devices()[0].memory_stats() or {}  # None on CPU
     in_use = {"after_model_GB": stats.get("bytes_in_use", 0) / 1e9}
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(__import__("flax").nnx.state(model)))
@@ -309,7 +317,8 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
     llm = LLM(model=model, dtype="bfloat16", max_num_seqs=top, max_model_len=max_len,
               num_pages=top * -(-max_len // 16) + 8, **s.engine)
     startup = llm.engine.startup
-    part = {"ok": False, "weight_GB": weight_bytes / 1e9, "startup": startup.summary(), "rows": [], "profiles": {}}
+    part = {"ok": False, "weight_GB": weight_bytes / 1e9, "matmul": model.matmul_impl, "startup": startup.summary(),
+            "rows": [], "profiles": {}}
     _log(f"engine built: {startup.summary()}")
     save(part)
     rng = np.random.default_rng(0)
@@ -476,7 +485,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, on whatever backend this is")
     p.add_argument("--out", default="out/device_check")
-    p.add_argument("--parts", default="1234", help="which parts to run, e.g. 14")
+    p.add_argument("--parts", default="12345", help="which parts to run, e.g. 14")
     p.add_argument("--engine-dtypes", default="float32,bfloat16",
                    help="part 3's dtypes on this device (float32 must be identical to the CPU engine)")
     p.add_argument("--model", help="part 3's model (default: the embedded SmolLM2; a lent GPU host gets a cut copy, "
@@ -490,6 +499,8 @@ def main() -> None:
                    help="an XLA option the GPU step compiles with (replaces jaxllm.engine.step_options' value; "
                         "true/false for booleans): an A/B of the step's options")
     p.add_argument("--batches", help="part 4's decode batches, e.g. 1,32 (default: 1,32,128,256), each profiled")
+    p.add_argument("--matmul-impl", default="auto", help="part 4's matmul kernel (jaxllm.kernels: an A/B of "
+                                                         "reference, XLA's GEMM, against the auto choice)")
     args = p.parse_args()
     global DEADLINE
     if args.budget_s:
@@ -515,7 +526,10 @@ def main() -> None:
                  lambda: part_engine_agreement(s, args.engine_dtypes.split(","), args.model),
              "4 8B-shaped roofline": lambda: part_roofline(
                  s, device, None if args.no_profile else args.traces or f"{args.out}/traces",
-                 lambda part: write(report | {"parts": report["parts"] | {"4 8B-shaped roofline": part}}))}
+                 lambda part: write(report | {"parts": report["parts"] | {"4 8B-shaped roofline": part}}),
+                 args.matmul_impl),
+             "5 skinny matmul speed": lambda: skinny_matmul_speed.run(
+                 s.model, device.hbm_bytes_per_s if device else None, **s.skinny)}
     out = Path(args.out)
 
     def write(r: dict) -> None:

@@ -6,9 +6,11 @@ the step a TPU or GPU runs, with the native kernels. Every rule lives here:
 
 - "auto" attention: ``pallas_tpu`` on TPU, ``pallas_gpu`` on GPU, the numba ``cpu`` kernel on CPU for float32,
   float16 and bfloat16 caches, the jnp ``reference`` otherwise; "auto" matmul: the ``cpu`` kernel on CPU for
-  float32, else XLA's dot. The ``cpu`` matmul multiplies quantized weights by int8 activations with the widest
-  integer dot product the host has (`pallas_kernels.quantized_matmul.isa`; ``JAXLLM_CPU_INT8_ISA=none``: float
-  activations).
+  float32, the ``pallas_gpu`` skinny matmul on GPU for bfloat16 and float16 weights (decode steps of at most
+  `pallas_kernels.skinny_matmul.gpu.MAX_ROWS` rows; XLA's GEMM for more) on one device (GSPMD cannot split a
+  Pallas call's rows), else XLA's dot. The ``cpu`` matmul multiplies quantized weights by int8 activations with
+  the widest integer dot product the host has (`pallas_kernels.quantized_matmul.isa`; ``JAXLLM_CPU_INT8_ISA=none``:
+  float activations).
 - Tensor parallelism on CPU takes the references: the CPU kernels are opaque custom calls that GSPMD cannot
   split by heads or rows.
 - A Pallas kernel off its own platform runs in Pallas' interpreter (how the CPU test suite runs them);
@@ -47,7 +49,7 @@ from pallas_kernels.quantized_matmul import isa as int8_isa
 from pallas_kernels.ragged_paged_attention.cpu import CACHE_DTYPES as CPU_CACHE_DTYPES
 
 ATTENTION_IMPLS = ("auto", "reference", "cpu", "pallas_tpu", "pallas_gpu")
-MATMUL_IMPLS = ("auto", "reference", "cpu")
+MATMUL_IMPLS = ("auto", "reference", "cpu", "pallas_gpu")
 LAYER_LOOPS = ("auto", "scan", "unrolled")
 PLATFORMS = ("cpu", "tpu", "gpu")
 _NATIVE = {"pallas_tpu": "tpu", "pallas_gpu": "gpu", "cpu": "cpu"}
@@ -66,7 +68,7 @@ class Kernels:
     attention: str  # reference | cpu | pallas_tpu | pallas_gpu
     matmul: str  # reference | cpu
     platform: str  # the platform the step is built for
-    interpret: bool = False  # a Pallas attention kernel in the interpreter (off its platform)
+    interpret: bool = False  # the Pallas kernels in the interpreter (off their platform)
     mesh: Mesh | None = None  # with a tp axis of more than one device: the attention kernel runs per device
     layer_loop: str = "scan"  # scan | unrolled: how a stacked model runs its layers
     int8_isa: str | None = None  # the cpu quantized matmul's integer path (activations in int8); None: float
@@ -110,14 +112,18 @@ def choose_kernels(attn_impl: str = "auto", matmul_impl: str = "auto", *, platfo
         cpu_attention = cpu_kernels and kv_dtype in CPU_CACHE_DTYPES
         attn_impl = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(platform, "cpu" if cpu_attention else "reference")
     if matmul_impl == "auto":
-        matmul_impl = "cpu" if cpu_kernels and jnp.dtype(dtype) == jnp.float32 else "reference"
+        if platform == "gpu" and devices == 1 and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16):
+            matmul_impl = "pallas_gpu"
+        else:
+            matmul_impl = "cpu" if cpu_kernels and jnp.dtype(dtype) == jnp.float32 else "reference"
     for name, impl in (("attention", attn_impl), ("matmul", matmul_impl)):
         if impl == "cpu" and platform != "cpu":
             raise ValueError(f"the cpu {name} kernel runs on CPU only, not on {platform}")
     if attn_impl == "cpu" and kv_dtype not in CPU_CACHE_DTYPES:
         raise ValueError(f"the cpu attention kernel reads float32, float16 or bfloat16 caches, not {kv_dtype.name}")
     if interpret is None:
-        interpret = attn_impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[attn_impl] != platform
+        interpret = any(impl in ("pallas_tpu", "pallas_gpu") and _NATIVE[impl] != platform
+                        for impl in (attn_impl, matmul_impl))
     # the integer path of this host (the step runs where it is built: the cpu kernels run on CPU only)
     isa = int8_isa.best() if matmul_impl == "cpu" else None
     return Kernels(attn_impl, matmul_impl, platform, interpret, mesh if devices > 1 else None,
@@ -179,7 +185,11 @@ def attention_kernel(kernels: Kernels) -> Callable:
 @functools.cache
 def matmul_kernel(kernels: Kernels) -> Callable:
     """``(x [..., in], w [out, in]) -> [..., out]``, or ``(x, w [layers, out, in], layer) -> x @ w[layer].T``:
-    "reference" is XLA's dot; "cpu" the CPU kernel for matmuls of few rows (it runs XLA's dot itself for more)."""
+    "reference" is XLA's dot; "cpu" and "pallas_gpu" the kernels for matmuls of few rows (they run XLA's dot
+    themselves for more)."""
+    if kernels.matmul == "pallas_gpu":
+        from pallas_kernels.skinny_matmul.gpu import matmul
+        return functools.partial(matmul, interpret=kernels.interpret)
     if kernels.matmul == "cpu":
         from pallas_kernels.skinny_matmul.cpu import matmul, register
         if jax.default_backend() == "cpu":

@@ -17,7 +17,7 @@ def test_the_smoke_run_passes_every_part(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
     parts = report["parts"]
-    assert len(parts) == 4 and all(p["ok"] for p in parts.values()), parts
+    assert len(parts) == 5 and all(p["ok"] for p in parts.values()), parts
     parity = parts["1 kernel parity"]["rows"]
     assert {r["dtype"] for r in parity} == {"float32", "bfloat16"} and all(r["ok"] for r in parity)
     assert any(r["kernel"] == "cpu" for r in parity)  # the native kernel of this platform was checked
@@ -33,5 +33,10 @@ def test_the_smoke_run_passes_every_part(tmp_path):
     assert profile["busy_ms"] > 0 and abs(sum(profile["kinds_ms"].values()) - profile["busy_ms"]) < profile["busy_ms"]
     assert {"attention", "matmul"} <= set(profile["kinds_ms"]), profile
     assert "prefill" in roofline["profiles"]
+    skinny = parts["5 skinny matmul speed"]  # every weight of the model at each row count, and the sweep
+    assert {(r["weight"], r["rows"]) for r in skinny["rows"]} == {
+        (w, t) for w in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head") for t in (1, 3)}
+    assert all(r["rel_err"] < 1e-2 and r["kernel_us"] > 0 and r["xla_us"] > 0 for r in skinny["rows"])
+    assert sum(r["table"] for r in skinny["sweep"]) == 5 and all("us" in r for r in skinny["sweep"]), skinny["sweep"]
     text = (tmp_path / "device_check.md").read_text()
     assert "## 4 8B-shaped roofline: ok" in text and "### profile: decode 4" in text

@@ -21,8 +21,10 @@ F32, BF16 = jnp.float32, jnp.bfloat16
     ("cpu", (F32, BF16), 1, ("cpu", "cpu", False)),  # float32 weights, a bfloat16 KV cache
     ("cpu", (F32, jnp.float8_e4m3fn), 1, ("reference", "cpu", False)),  # no float8 caches in the CPU kernel
     ("tpu", BF16, 8, ("pallas_tpu", "reference", False)),
-    ("gpu", BF16, 1, ("pallas_gpu", "reference", False)),
-    ("cuda", BF16, 1, ("pallas_gpu", "reference", False)),
+    ("gpu", BF16, 1, ("pallas_gpu", "pallas_gpu", False)),  # the skinny matmul for decode steps
+    ("cuda", jnp.float16, 1, ("pallas_gpu", "pallas_gpu", False)),
+    ("gpu", F32, 1, ("pallas_gpu", "reference", False)),  # float32 matmuls stay XLA's (HIGHEST precision)
+    ("gpu", BF16, 2, ("pallas_gpu", "reference", False)),  # GSPMD cannot split a Pallas call's rows
 ])
 def test_auto_choices(platform, dtype, tp, want):
     dtype, kv_dtype = dtype if isinstance(dtype, tuple) else (dtype, None)
@@ -33,6 +35,7 @@ def test_auto_choices(platform, dtype, tp, want):
 def test_a_pallas_kernel_off_its_platform_is_interpreted_unless_told_otherwise():
     assert choose_kernels("pallas_tpu", platform="cpu").interpret
     assert choose_kernels("pallas_gpu", platform="cpu").interpret
+    assert choose_kernels("reference", "pallas_gpu", platform="cpu").interpret  # the matmul kernel alone
     assert not choose_kernels("pallas_tpu", platform="cpu", interpret=False).interpret  # lowers natively
     assert not choose_kernels("pallas_tpu", platform="tpu").interpret
 
