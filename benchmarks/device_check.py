@@ -212,6 +212,25 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
             rows.append({"case": f"{n} x {ctx}", **dataclasses.asdict(sizes), "table": sizes == base,
                          "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
                          "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
+    # larger pages at the largest shape (the engine's GPU page is 16 tokens): each page of a head one longer
+    # contiguous load
+    n, ctx = s.decode_shapes[-1]
+    for page_size in (2 * s.page_size, 4 * s.page_size):
+        q, _, k, v, meta = random_paged_batch([(1, ctx)] * n, s.heads, page_size, jnp.bfloat16)
+        base = gpu.block_sizes(n, n, kvh, h // kvh, d, page_size, meta.block_tables.shape[1])
+        for sizes in {base, dataclasses.replace(base, tokens_per_iter=max(base.tokens_per_iter, 2 * page_size))}:
+            fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes,
+                                           interpret=interpret))
+            try:
+                sec = _timed(fn, q, k, v, meta.kv_lens, meta.block_tables, meta.query_start_loc)
+            except Exception as e:  # noqa: BLE001 (recorded, not fatal)
+                rows.append({"case": f"{n} x {ctx}, {page_size}-token pages", "error": str(e)[:200]})
+                continue
+            gbs = n * ctx * 2 * kvh * d * 2 / sec / 1e9
+            rows.append({"case": f"{n} x {ctx}, {page_size}-token pages", **dataclasses.asdict(sizes),
+                         "table": False, "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
+                         "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
+        del q, k, v
     return rows
 
 
