@@ -165,6 +165,7 @@ def analyze_bucket(runner, cfg, mesh, bucket, context: int, prompt_len: int) -> 
         "sorts_on_greedy_path": s["sorts"], "sorts_in_module": text.count(" sort("),
         "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
         "gemm_kernels": gemms[0], "distinct_gemm_fusions": gemms[1],
+        "skinny_matmul_calls": text.count('name = "skinny_matmul_gpu"'),  # decode steps of few rows: the Pallas GEMV
     }
 
 
@@ -186,15 +187,17 @@ def markdown(result: dict) -> str:
              f"jax {result['jax']}; scenario: decode at {result['context']} tokens of context, prefill prompts of "
              f"{result['prompt_len']} tokens", "",
              "| bucket | launches (per layer) | weight slices copied (GB) | other copies >1 MiB (GB) | GB moved | "
-             "ideal GB | ratio | sorts (greedy path / module) | GEMM kernels (distinct) | temp MB | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ideal GB | ratio | sorts (greedy path / module) | GEMM kernels (distinct) | skinny matmuls | temp MB | "
+             "compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         other = sum(m["bytes"] for m in r["other_moves_over_1MiB"])
         lines.append(f"| {r['bucket']} | {r['launches']} ({r['launches_per_layer']}) | {r['weight_slices']} "
                      f"({r['weight_slice_bytes'] / gb:.2f}) | {len(r['other_moves_over_1MiB'])} ({other / gb:.3f}) | "
                      f"{r['bytes'] / gb:.2f} | {r['ideal_bytes'] / gb:.2f} | {r['ratio']:.3f} | "
                      f"{r['sorts_on_greedy_path']} / {r['sorts_in_module']} | {r['gemm_kernels']} "
-                     f"({r['distinct_gemm_fusions']}) | {r['temp_bytes'] / 1e6:.1f} | "
+                     f"({r['distinct_gemm_fusions']}) | {r.get('skinny_matmul_calls', 0)} | "
+                     f"{r['temp_bytes'] / 1e6:.1f} | "
                      f"{r['compile_s']} |")
     v = result["verdict"]
     lines += ["", f"verdict: {'ok' if v['ok'] else 'FAILED'} (materialised weight slices: {v['weight_slices']}, "

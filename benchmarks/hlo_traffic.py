@@ -10,6 +10,7 @@ bytes it reads and writes, counted the way the hardware sees them:
 - a while loop's body counts its known trip count times; a conditional counts its cheapest branch (the path of
   a step that needs none of the optional work: greedy sampling, no penalties, no grammar), and its branches are
   listed so the dearer ones stay visible;
+- a cuBLAS GEMM's workspace output (XLA's last tuple element, s8) is scratch, not written data;
 - a custom call reads all its operands unless the caller says otherwise (`custom_bytes`: a Pallas kernel that
   reads only the KV pages its block tables name).
 
@@ -295,7 +296,10 @@ class _Analyzer:
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs).group(1)
             special = self.custom_bytes(ins, comp)
             read = special if special is not None else sum(o.bytes for o in operands)
-            return Kernel(ins.name, target, read, ins.bytes, count, " ".join(map(str, ins.shape)), None, None,
+            write = ins.bytes
+            if "cublas" in target and len(ins.shape) > 1 and ins.shape[-1].dtype == "s8":
+                write -= ins.shape[-1].bytes  # a GEMM's scratch workspace (4 MiB), not data it writes out
+            return Kernel(ins.name, target, read, write, count, " ".join(map(str, ins.shape)), None, None,
                           "gemm" in target or "cublas" in target)
         read = sum(o.bytes for o in operands)
         write = ins.bytes

@@ -119,16 +119,21 @@ def test_the_8b_step_compiled_for_an_h100_reads_each_weight_once(tmp_path):
     assert after["layer_loop"] == "unrolled" and after["verdict"]["ok"]
     for row in after["rows"]:
         assert row["weight_slices"] == 0 and row["sorts_on_greedy_path"] == 0, row
-        assert row["distinct_gemm_fusions"] <= 16 < row["gemm_kernels"], row  # each weight's GEMM once, not per layer
+        if row["bucket"] == "1x1":  # a decode step of few rows multiplies in the Pallas skinny matmul, not cuBLAS
+            assert row["gemm_kernels"] == 0 and row["skinny_matmul_calls"] >= 4 * 32 + 1, row
+        else:  # each weight's GEMM compiled once, not once per layer
+            assert row["distinct_gemm_fusions"] <= 16 < row["gemm_kernels"] and row["skinny_matmul_calls"] == 0, row
         if row["decode"]:
             assert row["ratio"] <= 1.15, row
     # ...which fails for the stacked layers unrolled: each layer's GEMMs read other static slices of the stacks
-    run = subprocess.run([_cuda_python(), "benchmarks/gpu_hlo_report.py", "--buckets", "1x1", "--layout", "stacked",
+    # (32 rows: cuBLAS; a step of 16 rows or fewer multiplies in the Pallas kernel, which reads a separate weight)
+    run = subprocess.run([_cuda_python(), "benchmarks/gpu_hlo_report.py", "--buckets", "32x32", "--layout", "stacked",
                           "--json", str(tmp_path / "stacked.json")], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 1, run.stdout[-3000:] + run.stderr[-3000:]
     (row,) = json.loads((tmp_path / "stacked.json").read_text())["rows"]
-    assert row["weight_slices"] == 0 and row["distinct_gemm_fusions"] > 4 * 32, row
+    # (at 32 rows XLA copies the static slices out; at one row, with cuBLAS, it fused them into 129 distinct GEMMs)
+    assert row["weight_slices"] == 4 * 32 or row["distinct_gemm_fusions"] > 4 * 32, row
     # The check can fail: the scanned layer loop copies every layer's weights out before its GEMMs.
     run = subprocess.run([_cuda_python(), "benchmarks/gpu_hlo_report.py", "--buckets", "1x1", "--layer-loop", "scan",
                           "--json", str(tmp_path / "before.json")], cwd=ROOT, env=env, capture_output=True, text=True,
