@@ -16,14 +16,16 @@ _EXPORTS = {
     "PoolingParams": "jaxllm.pooling_params",
     "RequestOutputKind": "jaxllm.sampling_params", "SamplingParams": "jaxllm.sampling_params",
     "SpeculativeConfig": "jaxllm.speculative.config",
+    "LoRARequest": "jaxllm.lora.request",
 }
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "PoolingOutput", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "RequestOutputKind", "SamplingParams", "SpeculativeConfig"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "LoRARequest", "PoolingOutput", "PoolingParams",
+           "PoolingRequestOutput", "RequestOutput", "RequestOutputKind", "SamplingParams", "SpeculativeConfig"]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from jaxllm.engine.config import EngineConfig
     from jaxllm.llm import LLM
+    from jaxllm.lora.request import LoRARequest
     from jaxllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
     from jaxllm.pooling_params import PoolingParams
     from jaxllm.sampling_params import RequestOutputKind, SamplingParams

@@ -15,6 +15,7 @@ from jaxllm import scoring
 from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from jaxllm.engine.config import EngineConfig, default_preset
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.multimodal.chat import chat_images
 from jaxllm.multimodal.image_input import ImagePolicy
@@ -90,8 +91,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm)
+                 use_tqdm: bool = True, lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """lora_request: the adapter every prompt runs with, or one per prompt (None: the base model); the engine
+        needs ``enable_lora=True``."""
+        return self._submit(prompts, sampling_params or SamplingParams(), SamplingParams, use_tqdm, lora_request)
 
     def embed(self, prompts: Prompt | SequenceABC[Prompt],
               pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
@@ -149,13 +153,18 @@ class LLM:
                                                       use_tqdm=use_tqdm)]
         return [RerankResult(i, documents[i], s) for i, s in scoring.ranked(scores, top_n)]
 
-    def _submit(self, prompts, params, kind, use_tqdm: bool) -> list:
+    def _submit(self, prompts, params, kind, use_tqdm: bool, lora_request=None) -> list:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if isinstance(params, kind):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} {kind.__name__} for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, list | tuple) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"{len(loras)} lora requests for {len(prompts)} prompts")
+        for lora in loras:
+            self.engine.prepare_lora(lora)
         if not all(isinstance(p, kind) for p in params):
             raise TypeError(f"expected {kind.__name__} (or a list of them)")
         if kind is SamplingParams:  # as vLLM's LLM: one output per request, when it finished
@@ -172,16 +181,17 @@ class LLM:
                 prompt = prompt["prompt_token_ids"] if "prompt_token_ids" in prompt else prompt.get("prompt")
             prepared.append((self.engine.prepare_prompt(prompt, p, salt, images), p, salt))
         ids = []
-        for (prep, p, salt) in prepared:
+        for (prep, p, salt), lora in zip(prepared, loras, strict=True):
             request_id = str(next(self._ids))
-            self.engine.add_request(request_id, prep[1], p, prepared=prep, cache_salt=salt)
+            self.engine.add_request(request_id, prep[1], p, prepared=prep, cache_salt=salt, lora_request=lora)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         if tok is None:
@@ -192,7 +202,7 @@ class LLM:
             prompts.append({"prompt_token_ids": tok.apply_chat_template(
                 c, add_generation_prompt=add_generation_prompt, tokenize=True, **(chat_template_kwargs or {})),
                 "multi_modal_data": {"image": images}})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list:
         finished: dict[str, RequestOutput | PoolingRequestOutput] = {}

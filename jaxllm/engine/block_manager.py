@@ -1,8 +1,9 @@
 """KV-cache pages: a free list, reference counts, and automatic prefix caching.
 
 Every full page of a sequence gets a chained SHA-256 hash (the previous page's hash and this page's token ids;
-the first page's chain starts from the request's `cache_salt`), so a hash names a whole prefix. A new sequence
-reuses the cached pages of its longest cached prefix of full pages instead of recomputing them. Freed pages
+the first page's chain starts from the request's `cache_salt` and its LoRA adapter), so a hash names a whole
+prefix. A new sequence reuses the cached pages of its longest cached prefix of full pages instead of recomputing
+them. Freed pages
 keep their contents and hash and go to the back of the free list (least recently used first out): they are
 reused as cache hits until someone needs the page for new content.
 
@@ -19,6 +20,7 @@ holds, mixed into its hash and its key: the same image hits, two different image
 from __future__ import annotations
 
 import hashlib
+import json
 from array import array
 from collections import OrderedDict
 
@@ -27,9 +29,12 @@ from jaxllm.engine.sequence import Sequence
 _ROOT = hashlib.sha256(b"jaxllm prefix cache v1").digest()
 
 
-def root_hash(cache_salt: str | None) -> bytes:
+def root_hash(cache_salt: str | tuple[str | None, str] | None) -> bytes:
+    """The chain's start for a request's `prefix_salt`: a tenant's salt, or (salt, adapter) of a LoRA request."""
     if cache_salt is None:
         return _ROOT
+    if isinstance(cache_salt, tuple):
+        return hashlib.sha256(_ROOT + b"lora:" + json.dumps(list(cache_salt)).encode()).digest()
     return hashlib.sha256(_ROOT + b"salt:" + cache_salt.encode()).digest()
 
 
@@ -87,7 +92,7 @@ class BlockManager:
         """Pages holding the longest cached prefix of full pages, leaving at least one token to compute."""
         if not self.enable_prefix_caching:
             return []
-        salt = seq.request.cache_salt
+        salt = seq.request.prefix_salt
         pages: list[int] = []
         prev = root_hash(salt)
         max_pages = (seq.num_tokens - 1) // self.page_size
@@ -137,7 +142,7 @@ class BlockManager:
             return
         # (accepted drafts are computed before the sequence's tokens hold them: their pages wait for the next step)
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.page_size
-        salt = seq.request.cache_salt
+        salt = seq.request.prefix_salt
         for i in range(len(seq.page_hashes), full):
             prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]

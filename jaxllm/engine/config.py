@@ -103,6 +103,13 @@ class EngineConfig:
     # Speculative decoding (`jaxllm.speculative`): a SpeculativeConfig, a dict of its fields as vLLM takes it
     # ({"method": "ngram", "num_speculative_tokens": 4}), or their JSON; None: off.
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters (vLLM's names): requests name one with a LoRARequest; at most max_loras distinct adapters run in
+    # a step (more wait), each of rank max_lora_rank or less; max_cpu_loras kept loaded on the host (default
+    # max_loras)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # vLLM's runner: "pooling" makes a causal model embed (last-token pooling unless `pooling` or its folder says
     # otherwise) as well as generate; "generate" refuses a model that cannot; "auto": what the model does.
     runner: str = "auto"
@@ -153,6 +160,12 @@ class EngineConfig:
              "the largest token bucket must hold max_num_batched_tokens"),
             (self.max_waiting_requests >= 1, "max_waiting_requests must be >= 1"),
             (self.max_n >= 1, "max_n must be >= 1"),
+            (self.max_loras >= 1, "max_loras must be >= 1"),
+            (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+             "max_cpu_loras must be >= max_loras"),
+            (not self.enable_lora or self.tensor_parallel_size * self.expert_parallel_size == 1,
+             "LoRA adapters run on one device (tensor_parallel_size and expert_parallel_size 1)"),
             (self.runner in RUNNERS, f"runner must be one of {', '.join(RUNNERS)}"),
             (self.pooling in (None, *POOLING_METHODS), f"pooling must be one of {', '.join(POOLING_METHODS)}"),
             (self.classifier_tokens is None or len(self.classifier_tokens) >= 1, "classifier_tokens must not be empty"),

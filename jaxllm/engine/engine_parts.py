@@ -55,6 +55,7 @@ class EngineParts:
     load_s: float
     checkpoint_bytes_read: int
     speculative: SpeculativeConfig | None = None  # the method that proposes drafts (`jaxllm.speculative`)
+    lora: bool = False  # the model has LoRA adapter tables (`jaxllm.models.lora`)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -92,6 +93,8 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
         model.arrange_layers()  # separate layers on GPU, as loads are (a model passed in that a caller edits
         # as separate layers on CPU is left as it is)
     cfg = model.config
+    if config.enable_lora:
+        _enable_lora(config, model)
     eos = tuple(cfg.eos_token_ids) or (tokenizer.eos_token_ids if tokenizer else ())
     if config.classifier_tokens:
         model.set_classifier_tokens(_classifier_ids(model, tokenizer, config.classifier_tokens))
@@ -102,7 +105,15 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
                            hidden_size=cfg.hidden_size, tasks=tasks)
     return EngineParts(model, tokenizer, mesh, config.served_model_name or name, eos, tasks, pooling, limits, kv,
                        encoder, executable_cache, load_s, loaded.bytes_read if loaded is not None else 0,
-                       _speculative(config, model, tasks))
+                       _speculative(config, model, tasks), config.enable_lora)
+
+
+def _enable_lora(config: EngineConfig, model: Model) -> None:
+    from jaxllm.models import lora
+
+    if model.multimodal or not model.causal or not hasattr(model, "unstack_layers"):
+        raise ConfigError("enable_lora: LoRA adapters run on text decoder models (Llama-family layers)")
+    lora.enable(model, config.max_loras, config.max_lora_rank)
 
 
 def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> SpeculativeConfig | None:

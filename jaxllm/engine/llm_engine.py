@@ -56,6 +56,14 @@ class LLMEngine:
         start = time.perf_counter()
         self.runner = ModelRunner.from_parts(parts, config.buckets())
         self.drafter = Drafter(parts.speculative, parts.kv.max_model_len) if parts.speculative else None
+        self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters
+        if parts.lora:
+            from jaxllm.lora.manager import LoRAManager, LoRATables
+
+            tables = LoRATables(self.runner.params, self.runner.param_paths)
+            self.loras = LoRAManager(self.model.config, tables, max_loras=config.max_loras,
+                                     max_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
+            self.scheduler.loras = self.loras
         self.startup = StartupReport(load_s=parts.load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -138,17 +146,20 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | PoolingParams | None = None,
                     on_output: Callable[[RequestOutput | PoolingRequestOutput], None] | None = None, *,
-                    prepared: PreparedPrompt | None = None, cache_salt: str | None = None) -> Request:
+                    prepared: PreparedPrompt | None = None, cache_salt: str | None = None,
+                    lora_request=None) -> Request:
         """prompt: text or token ids; prepared: the result of prepare_prompt (which also checked cache_salt), when
-        already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant)."""
+        already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant);
+        lora_request: the `jaxllm.lora.LoRARequest` it runs with (an engine with enable_lora)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        self.prepare_lora(lora_request)
         text, ids, mm = PreparedPrompt(*(prepared or self.prepare_prompt(prompt, params, cache_salt)))
         seed = getattr(params, "seed", None)
         seed = seed if seed is not None else self._rng.getrandbits(64)
         request = Request(request_id, text, ids, params, seed=seed, on_output=on_output, cache_salt=cache_salt,
-                          mm=mm)
+                          mm=mm, lora_request=lora_request)
         if isinstance(params, PoolingParams):  # validated by prepare_prompt: this engine pools
             seq = Sequence(request, 0, None)
             seq.pooled = PooledState(self.pooling)
@@ -167,6 +178,16 @@ class LLMEngine:
         for seq in request.seqs:
             self.scheduler.add(seq)
         return request
+
+    def prepare_lora(self, lora_request) -> None:
+        """Loads and checks a request's adapter before anything of the request is added (InvalidRequestError if
+        this engine has no adapters or it cannot be served)."""
+        if lora_request is None:
+            return
+        if self.loras is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora)",
+                                      "lora_request")
+        self.loras.prepare(lora_request)
 
     def abort_request(self, request_id: str) -> None:
         request = self.requests.get(request_id)

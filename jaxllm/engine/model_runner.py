@@ -81,18 +81,21 @@ class ModelRunner:
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
                  executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True,
                  pools: bool = True, encoder: EncoderRunner | None = None, encoder_cache: EncoderCache | None = None,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, lora: bool = False):
         """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
         that only pools (its steps sample nothing); pools: False for a model that only generates (its steps
         compute no pooling outputs); encoder, encoder_cache: a vision-language model's image encoder, run on the
         images a step schedules before the step, and where its outputs are kept; num_speculative_tokens: the most
-        drafts a sequence verifies in one step (0: no speculation)."""
+        drafts a sequence verifies in one step (0: no speculation); lora: the model has LoRA tables
+        (`jaxllm.models.lora`), which `lora_tables` finds among the parameters."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
         # The graph definition is bound into the jitted step and the weights passed as a flat list: hashing the
         # graphdef and flattening the nnx state on every call made dispatch 2.9-3.3 ms instead of 0.9 ms.
         self.params, state_def = jax.tree.flatten(state)
+        self.param_paths = [jax.tree_util.keystr(k, simple=True, separator=".")
+                            for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
         self.graphdef = graphdef
         self.page_size, self.max_model_len = page_size, max_model_len
         self.buckets = sorted(buckets)
@@ -111,7 +114,7 @@ class ModelRunner:
         images = (model.visual.feature_levels, cfg.hidden_size, model.dtype) if self.multimodal else None
         self.inputs = StepInputBuilder(buckets=self.buckets, page_size=page_size, max_model_len=max_model_len,
                                        sampling=self.sampling, images=images,
-                                       sample_positions=1 + num_speculative_tokens)
+                                       sample_positions=1 + num_speculative_tokens, lora=lora)
         # By name: a multi-host step message refers to them, each host holding its own (jaxllm.engine.multihost).
         self.constants = self.inputs.constants
         self._treedefs: dict[tuple[int, int], object] = {}
@@ -131,7 +134,8 @@ class ModelRunner:
                    executable_cache=parts.executable_cache, kv_cache_dtype=kv.dtype,
                    generates=GENERATE in parts.tasks, pools=parts.tasks != (GENERATE,),
                    encoder=enc.runner if enc else None, encoder_cache=enc.cache if enc else None,
-                   num_speculative_tokens=spec.num_speculative_tokens if (spec := parts.speculative) else 0)
+                   num_speculative_tokens=spec.num_speculative_tokens if (spec := parts.speculative) else 0,
+                   lora=parts.lora)
 
     @property
     def caches(self) -> tuple[jax.Array, jax.Array]:

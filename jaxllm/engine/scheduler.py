@@ -38,11 +38,14 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 chunked: bool = True, encoder_cache: EncoderCache | None = None, encoder_budget: int = 0):
+                 chunked: bool = True, encoder_cache: EncoderCache | None = None, encoder_budget: int = 0,
+                 loras=None):
         """chunked: prompts may be split over steps (a causal model); an encoder's inputs run whole, each within
         one step's budget (the frontend refuses longer ones). encoder_cache, encoder_budget: a vision-language
         model's cache of image embeddings (read here, filled by the model runner) and image tokens encoded per
-        step at most."""
+        step at most. loras: the `jaxllm.lora.LoRAManager` of an engine with adapters: a sequence is admitted only
+        with a device slot for its adapter (else it waits, and others go ahead), and gives the slot back when it
+        stops running."""
         self.bm = block_manager
         self.chunked = chunked
         self.max_num_seqs = max_num_seqs
@@ -51,6 +54,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.encoder_cache, self.encoder_budget = encoder_cache, encoder_budget
+        self.loras = loras
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -66,6 +70,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.bm.release(seq)
+        if self.loras is not None:
+            self.loras.release(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -150,6 +156,9 @@ class Scheduler:
                 if seq.request.mm is not None:
                     del step.encode[encode_before:]
                 break
+            if self.loras is not None and not self.loras.acquire(seq):  # every adapter slot is in use by others
+                skipped.append(self.waiting.popleft())
+                continue
             self.waiting.popleft()
             self.bm.allocate_prefix(seq, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = start
@@ -210,4 +219,6 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.release(seq)
+        if self.loras is not None:
+            self.loras.release(seq)
         seq.status = SequenceStatus.FINISHED

@@ -53,6 +53,7 @@ class Sequence:
         self.pooled = None  # a pooling request's PooledState: it is prefilled, pooled, and never decodes
         self.emitted = Emitted()
         self.drafts: list[int] = []  # speculative tokens proposed for its next step (`jaxllm.speculative`)
+        self.lora_slot: int | None = None  # the device slot of its adapter while it runs (`jaxllm.lora.manager`)
 
     @property
     def params(self) -> SamplingParams | PoolingParams:
@@ -83,13 +84,14 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams | PoolingParams,
                  seed: int, on_output: Callable | None = None, cache_salt: str | None = None,
-                 mm: MultiModalInputs | None = None):
+                 mm: MultiModalInputs | None = None, lora_request=None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.cache_salt = cache_salt  # requests with different salts never share prefix-cache pages
         self.mm = mm  # a vision-language prompt's images and M-RoPE positions
+        self.lora_request = lora_request  # its adapter (`jaxllm.lora.LoRARequest`), None: the base model
         self.seed = seed  # the request's seed, or one drawn by the engine: sampling is reproducible per request
         self.on_output = on_output  # called on the engine thread with each RequestOutput
         self.seqs: list[Sequence] = []
@@ -103,3 +105,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+    @property
+    def prefix_salt(self) -> str | tuple[str | None, str] | None:
+        """What its prefix-cache pages are keyed by besides their tokens: the tenant's cache_salt, and with an
+        adapter (whose KV differs from the base model's for the same tokens) the pair (cache_salt, adapter), which
+        no cache_salt string can equal (`block_manager.root_hash` hashes it in a domain of its own)."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return self.cache_salt, self.lora_request.cache_key

@@ -28,7 +28,9 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
     ids, meta, logit_rows = inputs.ids, inputs.meta, inputs.logit_rows
     # named scopes reach the compiled program's op metadata: a device profile sorts kernels by them
     with jax.named_scope("model"):
-        if inputs.images is None:
+        if inputs.lora is not None:  # a model with LoRA tables (text only)
+            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, lora=inputs.lora)
+        elif inputs.images is None:
             hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta)
         else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
             hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, image_embeds=inputs.images)

@@ -37,6 +37,7 @@ class StepInputs:
     prompt_targets: jax.Array  # [T] i32: each row's next prompt token to score (-1: none)
     images: jax.Array | None = None  # [levels, T, E]: image embeddings in place of image tokens (VL models)
     spec: SpecRows | None = None  # an engine that speculates: the step's sample rows
+    lora: jax.Array | None = None  # [T] i32: an engine with LoRA adapters: each token's adapter slot (-1: none)
 
 
 @dataclasses.dataclass
@@ -50,9 +51,12 @@ class BuiltInputs:
 
 class StepInputBuilder:
     def __init__(self, *, buckets: list[tuple[int, int]], page_size: int, max_model_len: int,
-                 sampling: SamplingInputs, images: tuple[int, int, object] | None = None, sample_positions: int = 1):
+                 sampling: SamplingInputs, images: tuple[int, int, object] | None = None, sample_positions: int = 1,
+                 lora: bool = False):
         """images: a vision-language model's (levels, hidden size, dtype) of its image embeddings;
-        sample_positions: K, the rows a sequence may sample in one step (1 + its drafts; 1 without speculation)."""
+        sample_positions: K, the rows a sequence may sample in one step (1 + its drafts; 1 without speculation);
+        lora: the model has LoRA tables (each step says every token's adapter slot)."""
+        self.lora = lora
         self.page_size, self.sampling, self.sample_positions = page_size, sampling, sample_positions
         self.max_pages_per_seq = -(-max_model_len // page_size)
         self.mrope = images is not None
@@ -79,8 +83,11 @@ class StepInputBuilder:
         samples: list[tuple[int, list[int]]] = []  # per row: its first sample row, its drafts
         tokens: list[int] = []  # the step's ids, when the host knows them (not ahead)
         starts: list[int] = []
+        lora = np.full(t, -1, np.int32) if self.lora else None
         at = num_samples = 0
         for seq, n, drafted in zip(step.seqs, step.num_new_tokens, drafts, strict=True):
+            if lora is not None and seq.lora_slot is not None:
+                lora[at:at + n] = seq.lora_slot
             start = seq.num_computed_tokens + ahead
             starts.append(start)
             if not ahead:
@@ -126,7 +133,7 @@ class StepInputBuilder:
         if self.sample_positions > 1:
             spec = self._spec_rows(t, s, logit_rows, samples if speculative else [])
         inputs = StepInputs(ids, positions, meta, logit_rows, self.sampling.build(rows, s, ahead), targets, images,
-                            spec)
+                            spec, lora)
         return BuiltInputs(inputs, rows, spans, samples if speculative else None)
 
     def sample_rows(self, bucket: tuple[int, int]) -> int:

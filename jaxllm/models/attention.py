@@ -58,9 +58,9 @@ class Attention(nnx.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def _qkv(self, x, cos, sin):
+    def _qkv(self, x, cos, sin, lora=None):
         lead = x.shape[:-1]
-        qkv = self.qkv_proj(x).reshape(*lead, self.num_kv_heads, self.group + 2, self.head_dim)
+        qkv = self.qkv_proj(x, lora).reshape(*lead, self.num_kv_heads, self.group + 2, self.head_dim)
         q = qkv[..., :self.group, :].reshape(*lead, self.num_heads, self.head_dim)
         k, v = qkv[..., self.group, :], qkv[..., self.group + 1, :]  # [..., kv_heads, head_dim]
         if self.q_norm is not None:
@@ -76,10 +76,11 @@ class Attention(nnx.Module):
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
     def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable,
-              window):
-        """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv). window: as in `dense`."""
-        q, k, v = self._qkv(x, cos, sin)
+              window, lora: jax.Array | None = None):
+        """x [T, E]; kv: this layer's (k_cache, v_cache) -> ([T, E], updated kv). window: as in `dense`; lora [T]:
+        each token's adapter slot (`jaxllm.models.lora`), None without adapters."""
+        q, k, v = self._qkv(x, cos, sin, lora)
         out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
                                         meta.query_start_loc, sm_scale=self.sm_scale, sliding_window=window,
                                         soft_cap=self.soft_cap)
-        return self.o_proj(out.reshape(x.shape[0], -1)), (k_cache, v_cache)
+        return self.o_proj(out.reshape(x.shape[0], -1), lora), (k_cache, v_cache)

@@ -64,12 +64,23 @@ class Linear(nnx.Module):
             self.weight_offset = None if offset is None else nnx.Param(offset, axes=self.weight_scale.axes)
         self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
         self.kernels = choose_kernels(dtype=dtype)
+        # LoRA adapter slots (`jaxllm.models.lora.enable`): tables a [slots, R, in], b [slots, out, R]
+        self.lora_rank = 0
+        self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
 
     @property
     def matmul_impl(self) -> str:
         return self.kernels.matmul
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
+        """lora_slots [T] int32 (x [T, in]): each row's adapter slot (-1: none), on a layer with LoRA tables."""
+        y = self._base(x)
+        if lora_slots is None or self.lora_a is None:
+            return y
+        from jaxllm.models.lora import delta
+        return y + delta(x, self.lora_a[...], self.lora_b[...], lora_slots).astype(y.dtype)
+
+    def _base(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
             y = _quantized_matmul(self.kernels, x, self.quant, self.weight, self.weight_scale, self.weight_offset)
         else:

@@ -49,9 +49,10 @@ class MLP(nnx.Module):
 
         self.activation = cfg.activation
 
-    def __call__(self, x):
-        gate_up = self.gate_up_proj(x).reshape(*x.shape[:-1], -1, 2)  # [..., mlp, 2]
-        return self.down_proj(activate(gate_up[..., 0], self.activation) * gate_up[..., 1])
+    def __call__(self, x, lora: jax.Array | None = None):
+        """lora [T]: each token's adapter slot (x [T, E]; `jaxllm.models.lora`)."""
+        gate_up = self.gate_up_proj(x, lora).reshape(*x.shape[:-1], -1, 2)  # [..., mlp, 2]
+        return self.down_proj(activate(gate_up[..., 0], self.activation) * gate_up[..., 1], lora)
 
 
 def activate(x: jax.Array, activation: str) -> jax.Array:
@@ -76,13 +77,15 @@ class DecoderLayer(nnx.Module):
         self.pre_feedforward_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs) if sandwich else None
         self.post_feedforward_layernorm = norm(cfg, cfg.hidden_size, dtype, rngs) if sandwich else None
 
-    def __call__(self, x, attend):
+    def __call__(self, x, attend, lora: jax.Array | None = None):
+        """lora [T]: each token's adapter slot, for the MLP (`attend` passes it to the attention)."""
+        mlp = self.mlp if lora is None else (lambda h: self.mlp(h, lora))
         h, extra = attend(self.self_attn, self.input_layernorm(x))
         if self.pre_feedforward_layernorm is None:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x)), extra
+            return x + mlp(self.post_attention_layernorm(x)), extra
         x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), extra
+        return x + self.post_feedforward_layernorm(mlp(self.pre_feedforward_layernorm(x))), extra
 
 
 def norm(cfg: ModelConfig, dim: int, dtype, rngs: nnx.Rngs | None) -> RMSNorm:
@@ -292,10 +295,11 @@ class LlamaForCausalLM(nnx.Module):
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                       metadata: AttentionMetadata, inputs_embeds: jax.Array | None = None,
-                      deepstack: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                      deepstack: jax.Array | None = None, lora: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
         """input_ids, positions [T] ([3, T] with M-RoPE) -> final hidden states [T, E] and the updated cache.
         `metadata` names pages 0..pages_per_layer-1; each layer reads and writes its own range of the cache.
-        inputs_embeds [T, E]: instead of the token embeddings; deepstack [D, T, E]: as in `__call__`."""
+        inputs_embeds [T, E]: instead of the token embeddings; deepstack [D, T, E]: as in `__call__`; lora [T]:
+        each token's adapter slot, -1 for none (a model with LoRA tables: `jaxllm.models.lora.enable`)."""
         attn_fn = attention_kernel(self.kernels)
         rope = self._rope(positions)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -306,7 +310,10 @@ class LlamaForCausalLM(nnx.Module):
             meta = metadata.offset_pages(index * pages_per_layer, page_size)
             window = self.window(index)
             cos, sin = self.layer_rope(rope, index)
-            x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window))
+            if lora is None:
+                x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window))
+            else:
+                x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window, lora), lora)
             return _add_deepstack(x, deepstack, index), kv
 
         x, kv_cache = self._run_layers(run, x, kv_cache)

@@ -64,8 +64,12 @@ def test_the_8b_step_exports_with_the_native_kernel(platform):
         text = exported.mlir_module()
         assert exported.platforms == (platform,)
         assert NATIVE_CALL[platform] in text, bucket
-        # One scanned layer: the kernel appears once in the module, not once per layer.
-        assert text.count(NATIVE_CALL[platform]) <= 2, bucket
+        # One scanned layer: the attention kernel appears once in the module, not once per layer.
+        attention = text.count(NATIVE_CALL[platform]) if platform == "tpu" else \
+            text.count('name = "ragged_paged_attention_gpu"')
+        assert 1 <= attention <= 2, bucket
+        if platform == "cuda":  # a decode step of few rows multiplies in the Pallas skinny matmul
+            assert ('name = "skinny_matmul_gpu"' in text) == (bucket[0] <= 16), bucket
         assert "stablehlo.while" in text
         tokens, seqs = bucket
         packed = exported.out_avals[-5]  # tokens, logprobs, ranks, top-20 ids, top-20 logprobs: int32 rows

@@ -1,0 +1,83 @@
+"""LoRA in the model: each targeted linear layer holds a fixed table of adapter slots, and a step applies to every
+token the adapter of its slot, ``y = x W^T + (x A_s^T) B_s^T`` (the adapter's scale folded into B), for a ragged
+batch where neighbouring tokens may use different adapters.
+
+A table is ``a [slots, parts * rank, in]`` and ``b [slots, out, parts * rank]``: a fused projection (q/k/v,
+gate/up) holds its parts' ranks side by side in A and block-diagonally in B, its rows in the fused layout
+(`jaxllm.lora.layout` packs them). Slot -1 is "no adapter". The engine writes adapters into slots between steps
+(same shapes: nothing recompiles); the step gets each token's slot ([T] int32).
+
+The product runs over every slot with a one-hot mask (each token's row of ``x A^T`` is kept for its own slot only,
+the others exact zeros): its cost is the slot count times the rank, small next to the base matmul, and a row's
+result depends on its own input and slot alone.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxllm.config import ModelConfig
+from pallas_kernels import dot_precision
+
+# PEFT's module name -> (the model's linear layer, its part of a fused one)
+TARGETS: dict[str, tuple[str, str | None]] = {
+    "q_proj": ("self_attn.qkv_proj", "q"), "k_proj": ("self_attn.qkv_proj", "k"),
+    "v_proj": ("self_attn.qkv_proj", "v"), "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", "gate"), "up_proj": ("mlp.gate_up_proj", "up"),
+    "down_proj": ("mlp.down_proj", None)}
+PARTS: dict[str, tuple[str | None, ...]] = {  # each LoRA-capable linear's parts, in table order
+    "self_attn.qkv_proj": ("q", "k", "v"), "self_attn.o_proj": (None,),
+    "mlp.gate_up_proj": ("gate", "up"), "mlp.down_proj": (None,)}
+
+
+class LoRATable(nnx.Variable):
+    """An adapter slot table (not a checkpoint parameter: the engine writes it)."""
+
+
+def linear_shape(cfg: ModelConfig, linear: str) -> tuple[int, int]:
+    """(out, in) of a LoRA-capable linear layer."""
+    q, kv, e, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
+        cfg.intermediate_size
+    return {"self_attn.qkv_proj": (q + 2 * kv, e), "self_attn.o_proj": (e, q),
+            "mlp.gate_up_proj": (2 * f, e), "mlp.down_proj": (e, f)}[linear]
+
+
+def _module(layer: nnx.Module, dotted: str):
+    for name in dotted.split("."):
+        layer = getattr(layer, name, None)
+        if layer is None:
+            return None
+    return layer
+
+
+def enable(model, max_loras: int, max_rank: int) -> None:
+    """Gives every LoRA-capable linear layer of `model`'s decoder layers an all-zero table of `max_loras` slots of
+    rank `max_rank` (in the model's dtype). A mixture-of-experts MLP has no LoRA-capable projections."""
+    if max_loras < 1 or max_rank < 1:
+        raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
+    stacked = model.stacked
+    model.unstack_layers()
+    cfg = model.config
+    for layer in model.layers:
+        for linear, parts in PARTS.items():
+            module = _module(layer, linear)
+            if module is None or not hasattr(module, "lora_rank"):
+                continue
+            out, inp = linear_shape(cfg, linear)
+            width = len(parts) * max_rank
+            module.lora_a = LoRATable(jnp.zeros((max_loras, width, inp), model.dtype))
+            module.lora_b = LoRATable(jnp.zeros((max_loras, out, width), model.dtype))
+            module.lora_rank = max_rank
+    if stacked:
+        model.stack_layers()
+
+
+def delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """x [T, in], a [S, R, in], b [S, out, R], slots [T] int32 (-1: none) -> [T, out]: each row's adapter term."""
+    p = dot_precision(x)
+    u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, R]
+    mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)  # [T, S]
+    u = jnp.where(mine[:, :, None], u, jnp.zeros_like(u))
+    return jnp.einsum("tsr,sor->to", u, b.astype(x.dtype), precision=p)

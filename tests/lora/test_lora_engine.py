@@ -1,0 +1,153 @@
+"""Multi-LoRA through the engine (`LLM(enable_lora=True)`), against transformers + peft with the adapters unmerged:
+greedy tokens of one adapter and of one call mixing the base model and two adapters per prompt; adapters swapped
+in and out of one device slot without a compile; prefix-cache pages never shared between adapters or with the
+base model (a forced hash collision included)."""
+
+import copy
+
+import numpy as np
+import pytest
+
+from jaxllm import LLM, LoRARequest, SamplingParams
+from jaxllm.engine import block_manager, compile_monitor
+from jaxllm.errors import InvalidRequestError
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+N = 8
+
+
+def _make_adapter(hf_model, folder, targets, r, seed, use_rslora=False):
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=targets, use_rslora=use_rslora,
+                             init_lora_weights=False)  # random A and B: an adapter that changes the output
+    model = peft.get_peft_model(copy.deepcopy(hf_model), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(3.0)  # large enough to move greedy tokens
+    model.save_pretrained(folder)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory, compile_cache_dir):
+    folder, hf_model = tiny_model_dir("qwen2")  # q/k/v biases: the adapter adds to a biased projection
+    root = tmp_path_factory.mktemp("adapters")
+    everything = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    a = _make_adapter(hf_model, root / "a", everything, 16, 1)
+    b = _make_adapter(hf_model, root / "b", ["q_proj", "v_proj", "down_proj"], 8, 2, use_rslora=True)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=128,
+              max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir, enable_lora=True,
+              max_loras=2, max_lora_rank=16)
+    return llm, hf_model, {"a": (LoRARequest("a", 1, str(root / "a")), a), "b": (LoRARequest("b", 2, str(root / "b")),
+                                                                            b)}, root
+
+
+def _hf_greedy(model, prompt):
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=N, do_sample=False, min_new_tokens=N,
+                             pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def _prompts(seed=3):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 1000, n).tolist() for n in (9, 14, 6, 11)]
+
+
+def _run(llm, prompts, lora):
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_one_adapter_and_a_mixed_batch_equal_peft(setup):
+    llm, hf_model, adapters, _ = setup
+    prompts = _prompts()
+    req_a, peft_a = adapters["a"]
+    want_a = [_hf_greedy(peft_a, p) for p in prompts]
+    want_base = [_hf_greedy(hf_model, p) for p in prompts]
+    assert want_a != want_base  # the adapter matters
+    assert _run(llm, prompts, req_a) == want_a
+    mix = [None, req_a, adapters["b"][0], req_a]  # base / a / b / a in one call
+    models = [hf_model, peft_a, adapters["b"][1], peft_a]
+    assert _run(llm, prompts, mix) == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
+    bm = llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages and all(u == 0 for u in llm.engine.loras.users)
+
+
+def test_more_adapters_than_slots_wait_and_swapping_never_compiles(setup, tiny_model_dir, compile_cache_dir):
+    _, hf_model, adapters, _ = setup
+    folder, _ = tiny_model_dir("qwen2")
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=128,
+              max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir, enable_lora=True,
+              max_loras=1, max_lora_rank=16)
+    prompts = _prompts(5)
+    _run(llm, prompts[:1], None)  # every bucket built and run once
+    before = compile_monitor.snapshot()
+    mix = [adapters["a"][0], adapters["b"][0], None, adapters["b"][0]]  # two adapters, one slot: one waits
+    got = _run(llm, prompts, mix)
+    assert compile_monitor.snapshot()["compiles"] == before["compiles"]
+    models = [adapters["a"][1], adapters["b"][1], hf_model, adapters["b"][1]]
+    assert got == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
+
+
+def test_prefix_pages_are_never_shared_across_adapters(setup, monkeypatch):
+    llm, hf_model, adapters, _ = setup
+    prompt = _prompts(7)[1]  # 14 tokens: three full pages of 4
+    req_a = adapters["a"][0]
+    want_base, want_a = _hf_greedy(hf_model, prompt), _hf_greedy(adapters["a"][1], prompt)
+    assert _run(llm, [prompt], req_a) == [want_a]
+    assert _run(llm, [prompt], None) == [want_base]  # the adapter's pages are cached, and not reused here
+    # every page hash the same: only the pages' recorded keys (salt, adapter, tokens, parent) keep them apart
+    monkeypatch.setattr(block_manager, "page_hash", lambda prev, tokens, images=b"": b"x" * 32)
+    assert _run(llm, [prompt], req_a) == [want_a]
+    assert _run(llm, [prompt], None) == [want_base]
+    assert _run(llm, [prompt], adapters["b"][0]) == [_hf_greedy(adapters["b"][1], prompt)]
+
+
+def _adapter_files(src, dst, **config_changes):
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "adapter_config.json").read_text())
+    config.update(config_changes)
+    (dst / "adapter_config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"r": 32}, "rank 32 is above max_lora_rank 16"),
+    ({"use_dora": True}, "DoRA adapters are not supported"),
+    ({"target_modules": ["q_proj", "embed_tokens"]}, r"unsupported target modules \['embed_tokens'\]"),
+    ({"modules_to_save": ["lm_head"]}, "modules saved whole are not supported"),
+    ({"r": 4}, r"has A \[16, \d+\] and B \[\d+, 16\]; this base needs \[4, "),  # shapes that do not fit
+])
+def test_adapters_that_cannot_be_served_are_refused_and_nothing_is_added(setup, tmp_path, change, message):
+    llm, _, adapters, root = setup
+    bad = _adapter_files(root / "a", tmp_path / "bad", **change)
+    before = dict(llm.engine.requests)
+    with pytest.raises(InvalidRequestError, match=message) as e:
+        _run(llm, _prompts()[:2], [None, LoRARequest("bad", 99, str(bad))])
+    assert e.value.param == "lora_request"
+    assert llm.engine.requests == before  # the valid prompt was not added either
+
+
+def test_missing_files_and_an_engine_without_lora_are_clear_errors(setup, tmp_path, tiny_model_dir,
+                                                                  compile_cache_dir):
+    llm, _, _, _ = setup
+    with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+        _run(llm, _prompts()[:1], LoRARequest("gone", 7, str(tmp_path / "nowhere")))
+    folder, _ = tiny_model_dir("qwen2")
+    plain = LLM(str(folder), dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=32,
+                max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir)
+    with pytest.raises(InvalidRequestError, match="serves no LoRA adapters"):
+        _run(plain, _prompts()[:1], LoRARequest("a", 1, str(tmp_path)))
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("a", 0, str(tmp_path))
