@@ -7,9 +7,11 @@ gate/up) holds its parts' ranks side by side in A and block-diagonally in B, its
 (`jaxllm.lora.layout` packs them). Slot -1 is "no adapter". The engine writes adapters into slots between steps
 (same shapes: nothing recompiles); the step gets each token's slot ([T] int32).
 
-The product runs over every slot with a one-hot mask (each token's row of ``x A^T`` is kept for its own slot only,
-the others exact zeros): its cost is the slot count times the rank, small next to the base matmul, and a row's
-result depends on its own input and slot alone.
+A step of at most as many tokens as slots (a decode step of few sequences) gathers each token's own A and B and
+reads nothing else of the tables; a larger step runs the product over every slot with a one-hot mask (each
+token's row of ``x A^T`` kept for its own slot only, the others exact zeros), its cost the slot count times the
+rank, small next to the base matmul there. Either way a row's result depends on its own input and slot alone,
+not on the other rows' values, though the two paths may round differently.
 """
 
 from __future__ import annotations
@@ -74,10 +76,30 @@ def enable(model, max_loras: int, max_rank: int) -> None:
         model.stack_layers()
 
 
-def delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
-    """x [T, in], a [S, R, in], b [S, out, R], slots [T] int32 (-1: none) -> [T, out]: each row's adapter term."""
+def delta(x: jax.Array, a, b, slots: jax.Array) -> jax.Array:
+    """x [T, in], a [S, R, in], b [S, out, R] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
+    none) -> [T, out]: each row's adapter term."""
     p = dot_precision(x)
+    if x.shape[0] <= a.shape[0]:  # each token's own adapter only
+        mine = (slots >= 0)[:, None].astype(x.dtype)
+        at = jnp.maximum(slots, 0)
+        a_t, b_t = _rows(a, at), _rows(b, at)  # [T, R, in], [T, out, R]
+        u = jnp.einsum("ti,tri->tr", x, a_t.astype(x.dtype), precision=p) * mine
+        return jnp.einsum("tr,tor->to", u, b_t.astype(x.dtype), precision=p)
+    a, b = a[...], b[...]
     u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, R]
     mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)  # [T, S]
     u = jnp.where(mine[:, :, None], u, jnp.zeros_like(u))
     return jnp.einsum("tsr,sor->to", u, b.astype(x.dtype), precision=p)
+
+
+def _rows(table, slots: jax.Array) -> jax.Array:
+    """table[slots]: of a scanned layer's stack, one gather that reads those slots of that layer alone (a slice of
+    the layer first would copy every slot)."""
+    from jaxllm.models.stacked_layers import LayerSlice
+
+    if isinstance(table, LayerSlice):
+        stack = table.stacked  # [L, S, ...]
+        flat = stack.reshape(-1, *stack.shape[2:])
+        return jnp.take(flat, table.index * stack.shape[1] + slots, axis=0)
+    return jnp.take(table, slots, axis=0)
