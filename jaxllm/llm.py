@@ -153,7 +153,8 @@ class LLM:
                                                       use_tqdm=use_tqdm)]
         return [RerankResult(i, documents[i], s) for i, s in scoring.ranked(scores, top_n)]
 
-    def _submit(self, prompts, params, kind, use_tqdm: bool, lora_request=None) -> list:
+    def _submit(self, prompts, params, kind, use_tqdm: bool,
+                lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list:
         if isinstance(prompts, str | dict):
             prompts = [prompts]
         if isinstance(params, kind):

@@ -26,6 +26,7 @@ from jaxllm.engine.stop_checker import check_stop
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.loading import LoadedModel
+from jaxllm.lora.request import LoRARequest
 from jaxllm.models.protocol import Model
 from jaxllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PooledState, PoolingParams
@@ -49,21 +50,21 @@ class LLMEngine:
         self.frontend = Frontend(self.tokenizer, self.limits, self.eos_token_ids, self.model_name,
                                  score_template=config.score_template, mm_spec=self.mm_spec)
         self.block_manager = BlockManager(parts.kv.num_pages, parts.kv.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal,
-                                   encoder_cache=parts.encoder.cache if parts.encoder else None,
-                                   encoder_budget=self.mm_spec.max_image_tokens if self.mm_spec else 0)
         start = time.perf_counter()
         self.runner = ModelRunner.from_parts(parts, config.buckets())
         self.drafter = Drafter(parts.speculative, parts.kv.max_model_len) if parts.speculative else None
-        self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters
+        self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters: their slots in the runner's tables
         if parts.lora:
             from jaxllm.lora.manager import LoRAManager, LoRATables
 
             tables = LoRATables(self.runner.params, self.runner.param_paths)
             self.loras = LoRAManager(self.model.config, tables, max_loras=config.max_loras,
                                      max_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
-            self.scheduler.loras = self.loras
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal,
+                                   encoder_cache=parts.encoder.cache if parts.encoder else None,
+                                   encoder_budget=self.mm_spec.max_image_tokens if self.mm_spec else 0,
+                                   loras=self.loras)
         self.startup = StartupReport(load_s=parts.load_s, kv_cache_s=time.perf_counter() - start)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
@@ -147,7 +148,7 @@ class LLMEngine:
                     params: SamplingParams | PoolingParams | None = None,
                     on_output: Callable[[RequestOutput | PoolingRequestOutput], None] | None = None, *,
                     prepared: PreparedPrompt | None = None, cache_salt: str | None = None,
-                    lora_request=None) -> Request:
+                    lora_request: LoRARequest | None = None) -> Request:
         """prompt: text or token ids; prepared: the result of prepare_prompt (which also checked cache_salt), when
         already done; cache_salt: requests with different salts never share prefix-cache pages (one per tenant);
         lora_request: the `jaxllm.lora.LoRARequest` it runs with (an engine with enable_lora)."""
@@ -179,7 +180,7 @@ class LLMEngine:
             self.scheduler.add(seq)
         return request
 
-    def prepare_lora(self, lora_request) -> None:
+    def prepare_lora(self, lora_request: LoRARequest | None) -> None:
         """Loads and checks a request's adapter before anything of the request is added (InvalidRequestError if
         this engine has no adapters or it cannot be served)."""
         if lora_request is None:

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import TYPE_CHECKING
 
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.multimodal.inputs import ImageItem
+
+if TYPE_CHECKING:
+    from jaxllm.lora.manager import LoRAManager
 
 
 @dataclasses.dataclass
@@ -39,7 +43,7 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
                  chunked: bool = True, encoder_cache: EncoderCache | None = None, encoder_budget: int = 0,
-                 loras=None):
+                 loras: LoRAManager | None = None):
         """chunked: prompts may be split over steps (a causal model); an encoder's inputs run whole, each within
         one step's budget (the frontend refuses longer ones). encoder_cache, encoder_budget: a vision-language
         model's cache of image embeddings (read here, filled by the model runner) and image tokens encoded per

@@ -7,6 +7,7 @@ import itertools
 from collections.abc import Callable
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.lora.request import LoRARequest
 from jaxllm.multimodal.inputs import MultiModalInputs
 from jaxllm.outputs import Logprob
 from jaxllm.pooling_params import PoolingParams
@@ -84,7 +85,7 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams | PoolingParams,
                  seed: int, on_output: Callable | None = None, cache_salt: str | None = None,
-                 mm: MultiModalInputs | None = None, lora_request=None):
+                 mm: MultiModalInputs | None = None, lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
