@@ -1,8 +1,9 @@
 """Multi-LoRA's cost on the embedded SmolLM2 (`LLM()` defaults, the `smollm2-cpu` preset): the plain engine against
 the same engine with ``enable_lora=True, max_loras=4, max_lora_rank=16`` serving four random rank-16 adapters (every
-projection of every layer targeted), each engine in its own process, alternating over rounds. Batched: 32 streams
-(the LoRA engine's mixing the four adapters, eight each) of 64-token prompts, 128 new tokens each; single stream:
-one such request at a time (the LoRA engine's with an adapter). Greedy, EOS ignored: both engines produce the same
+projection of every layer targeted), both engines in one process, alternating over rounds (in separate processes
+one engine's single stream spread over 102-150 tok/s: `family_cost.py`). Batched: 32 streams (the LoRA engine's
+mixing the four adapters, eight each) of 64-token prompts, 128 new tokens each; single stream: one such request at
+a time (the LoRA engine's with an adapter). Greedy, EOS ignored: both engines produce the same
 number of tokens.
 
     python benchmarks/lora.py [--rounds 3] [--json out.json]
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -56,53 +55,51 @@ def write_adapters(folder: Path, cfg) -> list[Path]:
     return paths
 
 
-def run_engine(lora: bool) -> dict:
-    from jaxllm import LLM, LoRARequest, SamplingParams
+def build(lora: bool):
+    """(engine, prompts, each prompt's adapter) for the plain engine or the LoRA one."""
+    from jaxllm import LLM, LoRARequest
 
     llm = LLM(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK) if lora else LLM()
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     rng = np.random.default_rng(0)
     vocab = llm.engine.model.config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, PROMPT_LEN).tolist()} for _ in range(STREAMS)]
     requests = [None] * STREAMS
     if lora:
-        tmp = tempfile.mkdtemp()
-        paths = write_adapters(Path(tmp), llm.engine.model.config)
+        paths = write_adapters(Path(tempfile.mkdtemp()), llm.engine.model.config)
         adapters = [LoRARequest(f"adapter{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         requests = [adapters[i % ADAPTERS] for i in range(STREAMS)]
-    llm.generate(prompts[:2], params, use_tqdm=False, lora_request=requests[:2])  # every code path once
+    return llm, prompts, requests
+
+
+def measure(llm, prompts, requests) -> dict:
+    """Batched: all the streams in one call; single: SINGLE requests one after another."""
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
     batched = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     tokens, seconds = 0, 0.0
     for i in range(SINGLE):
         start = time.perf_counter()
-        out = llm.generate(prompts[2 + i], params, use_tqdm=False, lora_request=requests[2 + i])[0].outputs[0]
+        out = llm.generate(prompts[i], params, use_tqdm=False, lora_request=requests[i])[0].outputs[0]
         seconds += time.perf_counter() - start
         tokens += len(out.token_ids)
     return {"batched_tok_s": batched, "single_tok_s": tokens / seconds}
-
-
-def run_isolated(lora: bool) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, __file__, "--engine", json.dumps(lora), "--json", str(out)], check=True)
-        return json.loads(out.read_text())
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--engine", help=argparse.SUPPRESS)  # one run, here: whether the engine serves adapters
     args = p.parse_args()
-    if args.engine is not None:
-        Path(args.json).write_text(json.dumps(run_engine(json.loads(args.engine))))
-        return
+    engines = {"base": build(False), "lora": build(True)}
+    for llm, prompts, requests in engines.values():  # every bucket and code path once, before timing
+        measure(llm, prompts[:4], requests[:4])
     runs: dict[str, list[dict]] = {"base": [], "lora": []}
     for r in range(args.rounds):
         for name in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
-            runs[name].append(run_isolated(name == "lora"))
+            runs[name].append(measure(*engines[name]))
             print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
     result = {"machine": machine.describe(), "rounds": args.rounds, "runs": runs, "median": med,
