@@ -151,3 +151,25 @@ def test_missing_files_and_an_engine_without_lora_are_clear_errors(setup, tmp_pa
         _run(plain, _prompts()[:1], LoRARequest("a", 1, str(tmp_path)))
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("a", 0, str(tmp_path))
+
+
+def test_the_base_model_through_a_lora_engine_is_the_plain_engines_bit_for_bit(setup, tiny_model_dir,
+                                                                                compile_cache_dir):
+    """A request without an adapter (slot -1) gets exact zeros added: its tokens and logprobs are the plain
+    engine's, alone and beside adapter requests."""
+    llm, _, adapters, _ = setup
+    folder, _ = tiny_model_dir("qwen2")
+    plain = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=128,
+                max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir)
+    prompts = _prompts(11)
+    params = SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, logprobs=2)
+
+    def run(engine, lora):
+        outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora)
+        return [(o.outputs[0].token_ids, [sorted((k, v.logprob) for k, v in d.items()) for d in o.outputs[0].logprobs])
+                for o in outs]
+
+    want = run(plain, None)
+    assert run(llm, None) == want
+    mixed = run(llm, [None, adapters["a"][0], None, adapters["b"][0]])
+    assert [mixed[0], mixed[2]] == [want[0], want[2]]
