@@ -30,10 +30,7 @@ def write_adapters(folder: Path, cfg) -> list[Path]:
     """Four random PEFT adapters for the model of config `cfg`, as PEFT saves them."""
     from safetensors.numpy import save_file
 
-    q, kv, e, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-        cfg.intermediate_size
-    shapes = {"q_proj": (q, e), "k_proj": (kv, e), "v_proj": (kv, e), "o_proj": (e, q), "gate_proj": (f, e),
-              "up_proj": (f, e), "down_proj": (e, f)}
+    from jaxllm.models.lora import module_shape
     paths = []
     for i in range(ADAPTERS):
         rng = np.random.default_rng(i)
@@ -41,7 +38,7 @@ def write_adapters(folder: Path, cfg) -> list[Path]:
         for layer in range(cfg.num_layers):
             for block, names in MODULES.items():
                 for name in names:
-                    out, inp = shapes[name]
+                    out, inp = module_shape(cfg, name)
                     key = f"base_model.model.model.layers.{layer}.{block}.{name}"
                     tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((RANK, inp)) * 0.01).astype(np.float32)
                     tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((out, RANK)) * 0.01).astype(np.float32)

@@ -87,15 +87,16 @@ class ModelRunner:
         compute no pooling outputs); encoder, encoder_cache: a vision-language model's image encoder, run on the
         images a step schedules before the step, and where its outputs are kept; num_speculative_tokens: the most
         drafts a sequence verifies in one step (0: no speculation); lora: the model has LoRA tables
-        (`jaxllm.models.lora`), which `lora_tables` finds among the parameters."""
+        (`jaxllm.models.lora`), which `jaxllm.lora.manager.LoRATables` finds among the parameters by their
+        `param_paths`."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
         # The graph definition is bound into the jitted step and the weights passed as a flat list: hashing the
         # graphdef and flattening the nnx state on every call made dispatch 2.9-3.3 ms instead of 0.9 ms.
         self.params, state_def = jax.tree.flatten(state)
-        self.param_paths = [jax.tree_util.keystr(k, simple=True, separator=".")
-                            for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+        self.param_paths = [jax.tree_util.keystr(k, simple=True, separator=".")  # in `params` order
+                            for k, _ in jax.tree_util.tree_flatten_with_path(state)[0]] if lora else []
         self.graphdef = graphdef
         self.page_size, self.max_model_len = page_size, max_model_len
         self.buckets = sorted(buckets)

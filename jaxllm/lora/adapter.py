@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 from jaxllm.config import ModelConfig
 from jaxllm.errors import InvalidRequestError
-from jaxllm.models.lora import TARGETS
+from jaxllm.models.lora import TARGETS, module_shape
 
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -43,13 +43,6 @@ class LoRAAdapter:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
-
-
-def _expected_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
-    q, kv, e, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.hidden_size, \
-        cfg.intermediate_size
-    return {"q_proj": (q, e), "k_proj": (kv, e), "v_proj": (kv, e), "o_proj": (e, q), "gate_proj": (f, e),
-            "up_proj": (f, e), "down_proj": (e, f)}[module]
 
 
 def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
@@ -106,7 +99,7 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{set(ab).pop()} alone")
         a, b = ab["A"].astype(np.float32), ab["B"].astype(np.float32)
-        out, inp = _expected_shape(cfg, module)
+        out, inp = module_shape(cfg, module)
         if a.shape != (r, inp) or b.shape != (out, r):
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has A {list(a.shape)} and B "
                             f"{list(b.shape)}; this base needs [{r}, {inp}] and [{out}, {r}]")

@@ -71,7 +71,6 @@ class LoRAManager:
         self.users = [0] * max_loras  # running sequences holding each slot
         self.owner: list[int | None] = [None] * max_loras  # lora_int_id in each slot
         self.idle: OrderedDict[int, None] = OrderedDict.fromkeys(range(max_loras))  # held by no one, LRU first
-        self.requests_total: dict[str, int] = {}  # per adapter name: requests admitted
         tables.warm_up(cfg, max_rank)
 
     def prepare(self, request: LoRARequest) -> LoRAAdapter:
@@ -116,8 +115,6 @@ class LoRAManager:
         self.idle.pop(slot, None)
         self.users[slot] += 1
         seq.lora_slot = slot
-        if seq.index == 0 and seq.num_preemptions == 0:
-            self.requests_total[request.lora_name] = self.requests_total.get(request.lora_name, 0) + 1
         return True
 
     def release(self, seq: Sequence) -> None:

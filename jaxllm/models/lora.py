@@ -46,6 +46,13 @@ def linear_shape(cfg: ModelConfig, linear: str) -> tuple[int, int]:
             "mlp.gate_up_proj": (2 * f, e), "mlp.down_proj": (e, f)}[linear]
 
 
+def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
+    """(out, in) of a PEFT target module (`TARGETS`), as a checkpoint stores it before fusing."""
+    q, kv, f = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out, inp = linear_shape(cfg, TARGETS[module][0])
+    return {"q_proj": q, "k_proj": kv, "v_proj": kv, "gate_proj": f, "up_proj": f}.get(module, out), inp
+
+
 def _module(layer: nnx.Module, dotted: str):
     for name in dotted.split("."):
         layer = getattr(layer, name, None)
