@@ -24,10 +24,13 @@ OPENAPI = openapi_document()
 
 @bp.get("/v1/models")
 def models():
+    """The base model, then each LoRA adapter with `parent` the base's id (vLLM's shape, except `root`: an adapter's
+    name, not its path on the server's disk)."""
     st = state()
-    return jsonify({"object": "list", "data": [{
-        "id": st.model_name, "object": "model", "created": STARTED, "owned_by": "jaxllm",
-        "root": st.model_name, "max_model_len": st.frontend.max_model_len}]})
+    card = {"object": "model", "created": STARTED, "owned_by": "jaxllm", "max_model_len": st.frontend.max_model_len}
+    return jsonify({"object": "list", "data": [
+        {"id": st.model_name, **card, "root": st.model_name, "parent": None},
+        *({"id": r.lora_name, **card, "root": r.lora_name, "parent": st.model_name} for r in st.loras)]})
 
 
 @bp.get("/health")

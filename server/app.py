@@ -17,9 +17,10 @@ from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.engine.engine_loop import EngineLoop
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.environment import Environment
-from server import admin_routes, openai_routes, pooling_routes
+from server import admin_routes, lora_routes, openai_routes, pooling_routes
 from server.errors import APIError, error_response
 from server.generation import ClientGone
+from server.lora_modules import LoRAModuleError, LoRARegistry
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 from server.state import ServerState
@@ -55,11 +56,13 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
     app = Flask("jaxllm")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False
-    st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, frontend.model_name))
+    st = ServerState(settings=settings, loop=loop, metrics=ServerMetrics(loop, frontend.model_name),
+                     loras=_lora_registry(settings, frontend))
     app.extensions["jaxllm"] = st
     app.register_blueprint(openai_routes.bp)
     app.register_blueprint(pooling_routes.bp)
     app.register_blueprint(admin_routes.bp)
+    app.register_blueprint(lora_routes.bp)
     if settings.allowed_origins:
         from flask_cors import CORS
 
@@ -111,6 +114,22 @@ def create_app(settings: ServerSettings, engine: LLMEngine | None = None) -> Fla
 
     logger.info("ready: serving %s (max_model_len %d)", frontend.model_name, frontend.max_model_len)
     return app
+
+
+def _lora_registry(settings: ServerSettings, frontend) -> LoRARegistry:
+    """The adapters of JAXLLM_LORA_MODULES, each read and checked now: a bad one stops the server here."""
+    registry = LoRARegistry(frontend.model_name, frontend.check_lora, roots=settings.lora_roots,
+                            allow_runtime=settings.allow_runtime_lora_updating)
+    for module in settings.lora_modules:
+        if module.base_model_name not in (None, frontend.model_name):
+            raise ValueError(f"LoRA module {module.name!r}: base_model_name {module.base_model_name!r} is not the "
+                             f"served model {frontend.model_name!r}")
+        try:
+            registry.add(registry.prepare(module.name, module.path, runtime=False))
+        except LoRAModuleError as e:
+            raise ValueError(f"JAXLLM_LORA_MODULES: {e}") from None
+        logger.info("serving LoRA adapter %s from %s", module.name, module.path)
+    return registry
 
 
 _app: Flask | None = None

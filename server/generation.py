@@ -8,7 +8,8 @@ import uuid
 from collections.abc import Callable, Iterator
 
 from jaxllm.engine.engine_loop import EngineDeadError
-from jaxllm.errors import EngineBusyError
+from jaxllm.errors import EngineBusyError, InvalidRequestError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
@@ -86,7 +87,8 @@ class Generation:
 
     def __init__(self, state: ServerState, prompts: list[tuple[str | None, list[int]]],
                  params: SamplingParams | PoolingParams, *,
-                 cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None):
+                 cache_salt: str | None = None, client_gone: Callable[[], bool] | None = None,
+                 lora_request: LoRARequest | None = None):
         if not state.loop.alive:
             raise APIError(503, "the engine is not running", code="engine_dead")
         if len(prompts) * params.n > state.capacity:
@@ -98,6 +100,7 @@ class Generation:
         self.client_gone = client_gone
         base = uuid.uuid4().hex
         self.ids = [f"{base}-{i}" for i in range(len(prompts))]
+        self.prompt_ids = [p[1] for p in prompts]  # each prompt's token ids as the engine gets them
         if isinstance(params, SamplingParams):
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self.joined: dict[str, Joined] = {}  # each request's outputs so far, added up by `wait`
@@ -110,7 +113,8 @@ class Generation:
         added = []
         try:
             for rid, prompt in zip(self.ids, prompts, strict=True):
-                state.loop.add_request(rid, None, params, self.stream.push, cache_salt=cache_salt, prepared=prompt)
+                state.loop.add_request(rid, None, params, self.stream.push, cache_salt=cache_salt, prepared=prompt,
+                                       lora_request=lora_request)
                 added.append(rid)
         except EngineDeadError as e:
             self._abort(added)
@@ -143,6 +147,8 @@ class Generation:
                 raise APIError(503, f"the engine failed: {item}", code="engine_dead")
             if isinstance(item, EngineBusyError):
                 raise APIError(429, f"the server's request queue is full; retry later ({item})", code="queue_full")
+            if isinstance(item, InvalidRequestError):  # what only the engine could check (an adapter's files
+                raise APIError(400, str(item), param=item.param)  # changed since the server checked them)
             if isinstance(item, Exception):
                 raise APIError(500, f"the request failed: {item}", code="request_failed")
             if item.error is not None:

@@ -3,6 +3,8 @@ scheduler's live structures), request latencies observed by the server, and the 
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -54,6 +56,8 @@ class EngineCollector:
             for position, count in enumerate(s["spec_decode_num_accepted_tokens_per_pos"]):
                 per_pos.add_metric([*self.labels, str(position)], count)
             yield per_pos
+        if "lora_max_loras" in s:  # an engine with LoRA adapters
+            yield from self._lora(s)
         # Per engine core (data-parallel rank; one when there is no data parallelism).
         per_rank = [("jaxllm_engine_requests", "Requests this engine core received.", "requests_total", True),
                     ("jaxllm_engine_num_requests_running", "Sequences in this engine core's batch.", "num_running",
@@ -70,6 +74,21 @@ class EngineCollector:
                                                                               labels=["model_name", "engine"])
             for rank, rs in enumerate(ranks):
                 family.add_metric([*self.labels, str(rank)], rs.get(key, 0))
+            yield family
+
+
+    def _lora(self, s: dict):
+        running, waiting = s.get("lora_requests_running", {}), s.get("lora_requests_waiting", {})
+        info = GaugeMetricFamily("jaxllm_lora_requests_info", "The adapters of running and waiting requests "
+                                 "(vLLM's lora_requests_info); the value is when it was read.",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+        info.add_metric([str(s["lora_max_loras"]), ",".join(sorted(running)), ",".join(sorted(waiting))], time.time())
+        yield info
+        for key, counts, doc in (("running", running, "Requests running, by LoRA adapter."),
+                                 ("waiting", waiting, "Requests waiting, by LoRA adapter.")):
+            family = GaugeMetricFamily(f"jaxllm_lora_num_requests_{key}", doc, labels=["model_name", "lora_name"])
+            for name in sorted(counts):
+                family.add_metric([*self.labels, name], counts[name])
             yield family
 
 

@@ -12,6 +12,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, stream_
 from jaxllm.engine.frontend import Frontend
 from jaxllm.engine.structured_output import schema_error
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.multimodal.chat import chat_images, has_images
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.outputs import CompletionOutput, RequestOutput
@@ -24,7 +25,7 @@ from server.bridge import offload
 from server.disconnect import client_gone
 from server.errors import ERROR_TYPES, APIError
 from server.generation import ClientGone, Generation, Held
-from server.parsing import invalid, parse
+from server.parsing import invalid, parse, served_lora
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 from server.tool_calls import ChoiceStream, tool_mode
@@ -47,9 +48,11 @@ def sampling_params(req, max_tokens, logprobs) -> SamplingParams:
 
 
 def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams, cache_salt: str | None,
-          prompt_param: str = "prompt", images: list | None = None) -> Generation:
+          prompt_param: str = "prompt", images: list | None = None, lora_request: LoRARequest | None = None
+          ) -> Generation:
     """Validates and tokenizes the prompts (or a pooling request's inputs) off the hub thread, then hands them to
-    the engine. images: a single prompt's images (decoded), preprocessed there too."""
+    the engine. images: a single prompt's images (decoded), preprocessed there too; lora_request: the adapter they
+    run with (`served_lora`)."""
     frontend = state().frontend
     try:
         prepared = [offload(len(p) if isinstance(p, str) else 0, frontend.prepare_prompt, p, params, cache_salt,
@@ -61,7 +64,8 @@ def start(prompts: list[str | list[int]], params: SamplingParams | PoolingParams
             e.param = prompt_param
         raise invalid(e) from None
     environ = request.environ
-    return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ))
+    return Generation(state(), prepared, params, cache_salt=cache_salt, client_gone=lambda: client_gone(environ),
+                      lora_request=lora_request)
 
 
 def chat_prompt_ids(frontend: Frontend, req: ChatCompletionRequest, policy: ImagePolicy) -> tuple[list[int], list]:
@@ -157,8 +161,9 @@ def prompt_logprobs_json(out: RequestOutput) -> list | None:
 def completions():
     req = parse(CompletionRequest)
     params = sampling_params(req, req.max_tokens, req.logprobs)
-    gen = start(req.prompts(), params, req.cache_salt)
-    created, model, cid = int(time.time()), state().model_name, f"cmpl-{g.request_id}"
+    lora = served_lora(req)
+    gen = start(req.prompts(), params, req.cache_salt, lora_request=lora)
+    created, model, cid = int(time.time()), lora.lora_name if lora else state().model_name, f"cmpl-{g.request_id}"
     tok = state().frontend.tokenizer
 
     def prompt_text(out: RequestOutput) -> str:
@@ -184,6 +189,8 @@ def completions():
                     lp = _completion_logprobs(c, req.logprobs, tok, 0)
                 choice = {"index": choice_index(i, c), "text": text, "logprobs": lp,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice |= {"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids}
                 if req.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = prompt_logprobs_json(out)
                 choices.append(choice)
@@ -222,9 +229,13 @@ def completions():
                 sent_chars[key] = sent_chars.get(key, 0) + len(c.text)
                 if c.finished():
                     finished.add(key)
+                choice = {"index": choice_index(i, c), "text": delta, "logprobs": lp,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if req.return_token_ids:
+                    choice |= {"prompt_token_ids": out.prompt_token_ids} if first else {}
+                    choice["token_ids"] = c.token_ids
                 yield {"id": cid, "object": "text_completion", "created": created, "model": model,
-                       "choices": [{"index": choice_index(i, c), "text": delta, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                       "choices": [choice]}
         if include_usage:
             yield {"id": cid, "object": "text_completion", "created": created, "model": model, "choices": [],
                    "usage": gen.usage}
@@ -273,8 +284,9 @@ def chat_completions():
         raise APIError(400, str(e), param="messages") from None
     except (ChatTemplateError, ValueError) as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    gen = start([ids], params, req.cache_salt, prompt_param="messages", images=images)
-    created, model, cid = int(time.time()), st.model_name, f"chatcmpl-{g.request_id}"
+    lora = served_lora(req)
+    gen = start([ids], params, req.cache_salt, prompt_param="messages", images=images, lora_request=lora)
+    created, model, cid = int(time.time()), lora.lora_name if lora else st.model_name, f"chatcmpl-{g.request_id}"
 
     if not req.stream:
         (out,) = gen.wait()
@@ -288,10 +300,13 @@ def chat_completions():
                 msg["reasoning_content"] = split.reasoning or None
             choices.append({"index": c.index, "message": msg,
                             "logprobs": _chat_logprobs(c, top_n) if req.logprobs else None,
-                            "finish_reason": finish, "stop_reason": c.stop_reason})
+                            "finish_reason": finish, "stop_reason": c.stop_reason,
+                            **({"token_ids": c.token_ids} if req.return_token_ids else {})})
         log_request(gen)
         body = {"id": cid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
                 "usage": gen.usage}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = out.prompt_token_ids
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = prompt_logprobs_json(out)
         return jsonify(body)
@@ -305,6 +320,10 @@ def chat_completions():
             body["usage"] = usage
         return body
 
+    def with_ids(choice: dict, c: CompletionOutput) -> dict:
+        """A choice's chunk that carries its tokens (the one that carries their logprobs)."""
+        return {**choice, "token_ids": c.token_ids} if req.return_token_ids else choice
+
     def events():
         # The plain case streams each delta as it comes; a reasoning or tool-call parser reads the whole text so far
         # (kept here) and what it parsed is diffed against what was sent.
@@ -316,8 +335,9 @@ def chat_completions():
         finished: set[int] = set()
         tool_streams = {c: ChoiceStream(mode, req, parser) for c in range(req.n)} if mode else {}
         for c in range(req.n):
-            yield chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            first = chunk([{"index": c, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}])
+            yield {**first, "prompt_token_ids": gen.prompt_ids[0]} if req.return_token_ids and c == 0 else first
         for out in gen.updates():  # deltas: what is new since the last output
             for c in out.outputs:
                 if c.index in finished:
@@ -341,13 +361,14 @@ def chat_completions():
                     finished.add(c.index)
                 if reasoning:
                     alone = mode is None and not (delta or c.finished())  # no content chunk follows
-                    yield chunk([{"index": c.index, "delta": {"reasoning_content": reasoning},
-                                  "logprobs": lp if alone else None, "finish_reason": None}])
+                    choice = {"index": c.index, "delta": {"reasoning_content": reasoning},
+                              "logprobs": lp if alone else None, "finish_reason": None}
+                    yield chunk([with_ids(choice, c) if alone else choice])
                 if mode is None:
                     if delta or c.finished() or not reasoning:
-                        yield chunk([{"index": c.index, "delta": {"content": delta} if delta else {},
-                                      "logprobs": lp, "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}])
+                        yield chunk([with_ids({"index": c.index, "delta": {"content": delta} if delta else {},
+                                               "logprobs": lp, "finish_reason": c.finish_reason,
+                                               "stop_reason": c.stop_reason}, c)])
                     continue
                 deltas, called = tool_streams[c.index].deltas(text, c.finished(), c.finish_reason == "stop")
                 finish = c.finish_reason
@@ -355,9 +376,9 @@ def chat_completions():
                     finish = "tool_calls"
                 for i, d in enumerate(deltas or [{}]):
                     last = i == max(len(deltas), 1) - 1
-                    yield chunk([{"index": c.index, "delta": d, "logprobs": lp if last else None,
-                                  "finish_reason": finish if last else None,
-                                  "stop_reason": c.stop_reason if last else None}])
+                    choice = {"index": c.index, "delta": d, "logprobs": lp if last else None,
+                              "finish_reason": finish if last else None, "stop_reason": c.stop_reason if last else None}
+                    yield chunk([with_ids(choice, c) if last else choice])
         if include_usage:
             yield chunk([], gen.usage)
 

@@ -15,9 +15,11 @@ from server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
+    LoadLoRAAdapterRequest,
     RerankRequest,
     ScoreRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 
 
@@ -87,6 +89,7 @@ class ModelCard(_Response):
     created: int
     owned_by: str
     root: str
+    parent: str | None  # a LoRA adapter's base model (None: the base model)
     max_model_len: int
 
 
@@ -180,7 +183,7 @@ class Version(_Response):
 
 
 REQUESTS = [ChatCompletionRequest, CompletionRequest, EmbeddingRequest, ScoreRequest, RerankRequest, TokenizeRequest,
-            DetokenizeRequest]
+            DetokenizeRequest, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest]
 RESPONSES = [ErrorResponse, Completion, ChatCompletion, EmbeddingList, PoolingList, ScoreList, RerankResponse,
              ModelList, TokenizeResponse, DetokenizeResponse, Health, Version]
 ERRORS = {400: "Invalid request", 401: "Missing or wrong API key", 404: "Unknown model", 413: "Body too large",
@@ -255,7 +258,15 @@ def openapi_document() -> dict:
                                request=RerankRequest, secured=True, errors=(400, 404, 413, 429, 500, 503)),
             "/v1/rerank": _simple("post", RerankResponse, "Same as /rerank", request=RerankRequest, secured=True,
                                   errors=(400, 404, 413, 429, 500, 503)),
-            "/v1/models": _simple("get", ModelList, "The served model", secured=True),
+            "/v1/models": _simple("get", ModelList, "The served model and its LoRA adapters", secured=True),
+            "/v1/load_lora_adapter": _simple("post", None, "Serve a LoRA adapter under a name (only with "
+                                             "JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                                             request=LoadLoRAAdapterRequest, secured=True, errors=(400, 413),
+                                             content={"text/plain": {"schema": {"type": "string"}}}),
+            "/v1/unload_lora_adapter": _simple("post", None, "Stop serving a LoRA adapter (only with "
+                                               "JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
+                                               request=UnloadLoRAAdapterRequest, secured=True, errors=(400, 404, 413),
+                                               content={"text/plain": {"schema": {"type": "string"}}}),
             "/tokenize": _simple("post", TokenizeResponse, "Token ids of a prompt or chat", request=TokenizeRequest,
                                  secured=True, errors=(400, 404, 413)),
             "/detokenize": _simple("post", DetokenizeResponse, "Text of token ids", request=DetokenizeRequest,

@@ -14,6 +14,7 @@ from flask import current_app, request
 from pydantic import BaseModel, ValidationError
 
 from jaxllm.errors import InvalidRequestError
+from jaxllm.lora.request import LoRARequest
 from server.errors import APIError
 
 MAX_JSON_DEPTH = 32
@@ -84,11 +85,18 @@ def parse(model_cls: type[M]) -> M:
             loc, msg = msg.split(":", 1)
             msg = msg.strip()
         raise APIError(400, f"{loc + ': ' if loc else ''}{msg}", param=loc or None) from None
-    name = current_app.extensions["jaxllm"].model_name
-    if getattr(req, "model", None) not in (None, name):
-        raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{name}'", param="model",
+    st = current_app.extensions["jaxllm"]
+    model = getattr(req, "model", None)
+    if model not in (None, st.model_name) and st.loras.get(model) is None:
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{st.model_name}'"
+                       + (" and LoRA adapters (GET /v1/models)" if len(st.loras) else ""), param="model",
                        code="model_not_found")
     return req
+
+
+def served_lora(req) -> LoRARequest | None:
+    """The adapter a parsed request's ``model`` names (None: the base model)."""
+    return current_app.extensions["jaxllm"].loras.get(getattr(req, "model", None))
 
 
 def invalid(e: InvalidRequestError) -> APIError:

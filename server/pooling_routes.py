@@ -19,7 +19,7 @@ from jaxllm.pooling_params import EMBED, PoolingParams
 from server.bridge import offload
 from server.errors import APIError
 from server.openai_routes import start
-from server.parsing import invalid, parse
+from server.parsing import invalid, parse, served_lora
 from server.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.state import ServerState
 
@@ -48,6 +48,15 @@ def pool(inputs: list[str | list[int]], params: PoolingParams, cache_salt: str |
     return outs
 
 
+def _parse(model_cls):
+    """`parse`, and a LoRA adapter's name refused: adapters serve generation."""
+    req = parse(model_cls)
+    if served_lora(req) is not None:
+        raise APIError(400, f"the LoRA adapter '{req.model}' serves generation only; name the base model "
+                       f"'{state().model_name}'", param="model")
+    return req
+
+
 def _encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":  # little-endian float32, as OpenAI's client decodes it
         return base64.b64encode(np.asarray(vector, "<f4").tobytes()).decode("ascii")
@@ -67,12 +76,12 @@ def _respond(req: EmbeddingRequest, obj: str, id_prefix: str):
 
 @bp.post("/v1/embeddings")
 def embeddings():
-    return _respond(parse(EmbeddingRequest), "embedding", "embd")
+    return _respond(_parse(EmbeddingRequest), "embedding", "embd")
 
 
 @bp.post("/pooling")
 def pooling():
-    return _respond(parse(EmbeddingRequest), "pooling", "pool")
+    return _respond(_parse(EmbeddingRequest), "pooling", "pool")
 
 
 def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tuple[list[float], int]:
@@ -95,7 +104,7 @@ def _scores(text_1, text_2, truncate: int | None, names: tuple[str, str]) -> tup
 
 @bp.post("/score")
 def score():
-    req = parse(ScoreRequest)
+    req = _parse(ScoreRequest)
     scores, tokens = _scores(req.text_1, req.text_2, req.truncate_prompt_tokens, ("text_1", "text_2"))
     return jsonify({"id": f"score-{g.request_id}", "object": "list", "created": int(time.time()),
                     "model": state().model_name,
@@ -106,7 +115,7 @@ def score():
 @bp.post("/rerank")
 @bp.post("/v1/rerank")
 def rerank():
-    req = parse(RerankRequest)
+    req = _parse(RerankRequest)
     documents = req.texts()
     scores, tokens = _scores(req.query, documents, req.truncate_prompt_tokens, ("query", "documents"))
     results = [{"index": i, **({"document": {"text": documents[i]}} if req.return_documents else {}),

@@ -111,6 +111,9 @@ class _Sampling(_Model):
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = Field(
         default=None, description="vLLM's: each prompt token's logprob and the k likeliest at its position "
                                   "(returned as prompt_logprobs; not with stream)")
+    return_token_ids: bool = Field(
+        default=False, description="vLLM's: each choice's generated token ids (token_ids; streamed: each chunk's) "
+                                   "and the prompt's (prompt_token_ids; streamed: in the first chunk)")
 
     @model_validator(mode="after")
     def _check(self):
@@ -466,3 +469,18 @@ class RerankRequest(_Model):
 
     def texts(self) -> list[str]:
         return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+class LoadLoRAAdapterRequest(_Model):
+    """POST /v1/load_lora_adapter (vLLM's)."""
+
+    lora_name: Name
+    lora_path: Annotated[str, Field(min_length=1, max_length=4096)]
+    load_inplace: bool = False  # replace an adapter of that name (requests running keep the old one)
+
+
+class UnloadLoRAAdapterRequest(_Model):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: Name
+    lora_int_id: Annotated[int, Field(ge=1, le=MAX_INT)] | None = None  # if given, must be the adapter's

@@ -15,6 +15,11 @@ JAXLLM_MAX_BODY_BYTES (default 10 MiB), JAXLLM_DRAIN_TIMEOUT (seconds, default 3
 default: CORS off), JAXLLM_CHAT_TEMPLATE (a jinja chat template file replacing the model's, as vLLM's
 --chat-template), JAXLLM_TOOL_CALL_PARSER (hermes, llama3_json, mistral; default: from the chat template),
 JAXLLM_REASONING_PARSER (qwen3, deepseek_r1: <think> blocks go to reasoning_content; default: off).
+LoRA adapters (vLLM's --lora-modules; see server/lora_modules.py): JAXLLM_LORA_MODULES ("name=path,name2=path2" or
+vLLM's JSON objects), JAXLLM_ENABLE_LORA (implied by modules or runtime updating), JAXLLM_MAX_LORAS,
+JAXLLM_MAX_LORA_RANK, JAXLLM_MAX_CPU_LORAS, JAXLLM_ALLOW_RUNTIME_LORA_UPDATING (default false: POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter answer 400), JAXLLM_LORA_ROOTS (comma-separated folders that runtime
+loads must lie in; empty: any).
 Vision-language models: JAXLLM_LIMIT_MM_PER_PROMPT (images per prompt, default 4), JAXLLM_ENCODER_BUDGET (image tokens
 encoded per step, default max_num_batched_tokens), JAXLLM_ENCODER_CACHE_TOKENS, JAXLLM_MM_MAX_PIXELS;
 JAXLLM_ALLOW_REMOTE_IMAGES (fetch http(s) image_url at all; default false: data: URLs only),
@@ -39,6 +44,7 @@ from jaxllm.environment import Environment
 from jaxllm.multimodal.image_input import ImagePolicy
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.tools.parsers import TOOL_PARSERS
+from server.lora_modules import LoRAModule, parse_lora_modules
 
 
 def _flag(value: str) -> bool:
@@ -58,7 +64,7 @@ _ENGINE_ENV = {
     "classifier_tokens": lambda v: tuple(t for t in v.split(",") if t),
     "async_scheduling": _flag, "enable_prefix_caching": _flag, "seed": int, "page_size": int,
     "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,
-    "speculative_config": str,
+    "speculative_config": str, "enable_lora": _flag, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,
 }
 
 
@@ -76,6 +82,9 @@ class ServerSettings:
     engine_secret: str | None = None  # shared with that engine core
     startup_timeout_s: float = 600.0  # how long to wait for the engine core's handshake
     image_policy: ImagePolicy = ImagePolicy()  # which image_url parts are loaded, and their limits
+    lora_modules: tuple[LoRAModule, ...] = ()  # adapters served by name from the start
+    allow_runtime_lora_updating: bool = False  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_roots: tuple[str, ...] = ()  # folders runtime loads must lie in (empty: any)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> ServerSettings:
@@ -86,6 +95,15 @@ class ServerSettings:
             value = env.get(f"JAXLLM_{name.upper()}")
             if value not in (None, ""):
                 overrides[name] = kind(value)
+        modules = parse_lora_modules(env.get("JAXLLM_LORA_MODULES", ""))
+        runtime_lora = _flag(env.get("JAXLLM_ALLOW_RUNTIME_LORA_UPDATING", "false"))
+        if modules or runtime_lora:
+            if overrides.get("enable_lora") is False:
+                raise ValueError("JAXLLM_ENABLE_LORA=false, but LoRA modules or runtime LoRA updating are set")
+            overrides["enable_lora"] = True
+        if runtime_lora and process.api_servers > 1:
+            raise ValueError("JAXLLM_ALLOW_RUNTIME_LORA_UPDATING needs one API server (JAXLLM_API_SERVERS=1): each "
+                             "server keeps its own list of adapters")
         preset = env.get("JAXLLM_PRESET") or default_preset(overrides.get("model"))
         engine = EngineConfig.from_preset(preset, **overrides)
         template_path = env.get("JAXLLM_CHAT_TEMPLATE") or None
@@ -104,7 +122,9 @@ class ServerSettings:
                    tool_call_parser=parser, reasoning_parser=reasoning,
                    engine_address=process.engine_address, engine_secret=process.engine_secret,
                    startup_timeout_s=float(process.worker_timeout_s),
-                   image_policy=_image_policy(env))
+                   image_policy=_image_policy(env), lora_modules=modules,
+                   allow_runtime_lora_updating=runtime_lora,
+                   lora_roots=tuple(r.strip() for r in env.get("JAXLLM_LORA_ROOTS", "").split(",") if r.strip()))
 
 
 def _image_policy(env: dict[str, str]) -> ImagePolicy:

@@ -6,6 +6,7 @@ import dataclasses
 
 from jaxllm.engine.engine_client import EngineClient
 from jaxllm.engine.frontend import Frontend
+from server.lora_modules import LoRARegistry
 from server.metrics import ServerMetrics
 from server.settings import ServerSettings
 
@@ -15,6 +16,7 @@ class ServerState:
     settings: ServerSettings
     loop: EngineClient  # the engine loop here, or the engine-core processes' client
     metrics: ServerMetrics
+    loras: LoRARegistry  # adapters served by name
     active_requests: int = 0  # touched only by request greenlets (one hub thread)
 
     @property

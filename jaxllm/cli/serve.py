@@ -28,6 +28,7 @@ logger = logging.getLogger("jaxllm.serve")
 GROUPS = {
     "model": "model: what to load, and how",
     "engine": "engine: KV cache and scheduling",
+    "lora": "LoRA adapters (runtime loading: JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=true)",
     "parallel": "parallelism",
     "modes": "serve modes: several API servers, headless engine cores",
     "frontend": "frontend: the HTTP server and the OpenAI API",
@@ -58,6 +59,15 @@ def _bool(value) -> str:
     return "true" if value else "false"
 
 
+def _lora_modules(values) -> str:
+    """--lora-modules' values (name=path, or vLLM's JSON objects; a config file's list) as JAXLLM_LORA_MODULES."""
+    items = values if isinstance(values, list) else [values]
+    if any(isinstance(v, dict) or str(v).lstrip().startswith("{") for v in items):
+        return json.dumps([v if isinstance(v, dict) else json.loads(v) if str(v).lstrip().startswith("{")
+                           else dict(zip(("name", "path"), str(v).split("=", 1), strict=False)) for v in items])
+    return ",".join(str(v) for v in items)
+
+
 @dataclasses.dataclass(frozen=True)
 class Flag:
     names: tuple[str, ...]
@@ -67,6 +77,7 @@ class Flag:
     kind: Callable[[str], Any] | None = str  # None: a switch (--x / --no-x)
     to_env: Callable[[Any], str] = str
     choices: tuple[str, ...] | None = None
+    nargs: str | None = None  # "+": one or more values
 
     @property
     def dest(self) -> str:
@@ -102,6 +113,13 @@ FLAGS = [
          "previous one's tokens are read back (default on)", None, _bool),
     Flag(("--speculative-config",), "JAXLLM_SPECULATIVE_CONFIG", "engine", 'speculative decoding, as JSON: '
          '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'),
+    Flag(("--enable-lora",), "JAXLLM_ENABLE_LORA", "lora", "serve LoRA adapters (implied by --lora-modules)", None,
+         _bool),
+    Flag(("--lora-modules",), "JAXLLM_LORA_MODULES", "lora", "adapters served by name: name=path ... or JSON "
+         '\'{"name": ..., "path": ...}\'', str, _lora_modules, nargs="+"),
+    Flag(("--max-loras",), "JAXLLM_MAX_LORAS", "lora", "most adapters in one step (device slots)", int),
+    Flag(("--max-lora-rank",), "JAXLLM_MAX_LORA_RANK", "lora", "largest adapter rank served", int),
+    Flag(("--max-cpu-loras",), "JAXLLM_MAX_CPU_LORAS", "lora", "adapters kept loaded on the host", int),
     Flag(("--limit-mm-per-prompt",), "JAXLLM_LIMIT_MM_PER_PROMPT", "engine", 'images per prompt: N or {"image": N}',
          _json_or(int, "image")),
     Flag(("--tensor-parallel-size", "-tp"), "JAXLLM_TENSOR_PARALLEL_SIZE", "parallel", "devices one model spans",
@@ -154,7 +172,7 @@ def add_parsers(sub) -> None:
             g.add_argument(*flag.names, dest=flag.dest, action=action, default=None, help=flag.help)
         else:
             g.add_argument(*flag.names, dest=flag.dest, type=flag.kind, choices=flag.choices, default=None,
-                           help=flag.help)
+                           help=flag.help, nargs=flag.nargs)
     p.set_defaults(run=run)
 
 

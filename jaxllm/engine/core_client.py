@@ -22,6 +22,7 @@ from jaxllm.engine import core_protocol as proto
 from jaxllm.engine.engine_loop import EngineDeadError, gevent_active
 from jaxllm.engine.frontend import Frontend, PreparedPrompt
 from jaxllm.errors import EngineBusyError, InvalidRequestError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -72,7 +73,7 @@ class EngineCoreClient:
         self.info, self.stats = info, info.stats
         load = tokenizer_loader or _load_tokenizer
         self.frontend = Frontend(load(info), info.limits, info.eos_token_ids, info.model_name, info.score_template,
-                               info.mm_spec)
+                                 info.mm_spec, info.lora_spec)
         self._start_reader()
 
     def _connect(self) -> None:
@@ -108,13 +109,14 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput | Exception], None], cache_salt: str | None = None, *,
-                    prepared: PreparedPrompt | None = None) -> None:
+                    prepared: PreparedPrompt | None = None, lora_request: LoRARequest | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine core is not connected")
         text, ids, mm = PreparedPrompt(*(prepared or self.frontend.prepare_prompt(prompt, params, cache_salt)))
         self.requests[request_id] = _Request(request_id, text, ids, on_output)
         images = None if mm is None else [proto.WireImage(rows, tuple(grid)) for rows, grid in mm.to_wire()]
-        payload = proto.encode(proto.Add(request_id, text, ids, proto.params_to_wire(params), cache_salt, images))
+        payload = proto.encode(proto.Add(request_id, text, ids, proto.params_to_wire(params), cache_salt, images,
+                                       proto.WireLoRA.of(lora_request)))
         with self._lock:
             self.sock.send(payload)
         self.sent_since_stats.add(request_id)

@@ -5,7 +5,7 @@ client -> core (`ClientMessage`)                 core -> client (`CoreMessage`)
   Hello                                            Challenge(nonce)
   Auth(hmac_sha256(secret, nonce))                 Ready(CoreInfo) | Refused(reason)
   Add(id, text, ids, params, cache_salt,           Outs([Out(id, WireGeneration | WirePooling) | Fail, ...])
-      images)                                         (one engine step's, for this client)
+      images, lora)                                   (one engine step's, for this client)
   Abort(id)                                        Fail(id, kind, message)  (an add refused at once)
                                                    Stats(stats)             (also the core's heartbeat)
 
@@ -27,6 +27,8 @@ from typing import Any, Literal
 import msgspec
 import numpy as np
 
+from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.spec import LoRASpec
 from jaxllm.multimodal.inputs import MultiModalSpec
 from jaxllm.outputs import CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
@@ -60,6 +62,7 @@ class CoreInfo(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: tuple[int, ...]
     score_template: str | None = None
     mm_spec: MultiModalSpec | None = None
+    lora_spec: LoRASpec | None = None  # what the API server checks adapters against (None: the core serves none)
     max_num_seqs: int
     max_waiting_requests: int
     page_size: int
@@ -88,6 +91,21 @@ class WireImage(_Message):
     grid: tuple[int, int, int]
 
 
+class WireLoRA(_Message):
+    """A `LoRARequest` (the core reads the adapter from the path; API servers and the core share a filesystem)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    @classmethod
+    def of(cls, request: LoRARequest | None) -> WireLoRA | None:
+        return None if request is None else cls(request.lora_name, request.lora_int_id, request.lora_path)
+
+    def request(self) -> LoRARequest:
+        """ValueError: not a valid request."""
+        return LoRARequest(self.lora_name, self.lora_int_id, self.lora_path)
+
+
 class Add(_Message, tag="add"):
     request_id: str
     text: str | None
@@ -95,6 +113,7 @@ class Add(_Message, tag="add"):
     params: dict[str, Any]  # SamplingParams or PoolingParams (`params_from_wire`)
     cache_salt: str | None = None
     images: list[WireImage] | None = None
+    lora: WireLoRA | None = None
 
 
 class Abort(_Message, tag="abort"):

@@ -49,7 +49,8 @@ class EngineCoreServer:
         c = engine.config
         self.info = proto.CoreInfo(
             model_name=engine.model_name, limits=engine.limits, eos_token_ids=engine.eos_token_ids,
-            score_template=engine.frontend.score_template, mm_spec=engine.mm_spec, max_num_seqs=c.max_num_seqs,
+            score_template=engine.frontend.score_template, mm_spec=engine.mm_spec,
+            lora_spec=engine.frontend.lora_spec, max_num_seqs=c.max_num_seqs,
             max_waiting_requests=c.max_waiting_requests, page_size=c.page_size, model=c.model, revision=c.revision,
             download_dir=c.download_dir, rank=rank)
         self._pending: dict[bytes, list[proto.Out | proto.Fail]] = {}  # this iteration's outputs per client
@@ -159,7 +160,7 @@ class EngineCoreServer:
         for client in list(self.clients):
             self._send(client, payload)
 
-    def _add(self, core_id, text, ids, params, cache_salt, on_output, images=None) -> None:
+    def _add(self, core_id, text, ids, params, cache_salt, on_output, images=None, lora=None) -> None:
         if images is not None:
             spec = self.engine.mm_spec
             if spec is None:
@@ -167,13 +168,14 @@ class EngineCoreServer:
             images = images_from_wire([(w.rows, w.grid) for w in images], spec.patch_dim)
         _, ids, mm = self.engine.prepare_prompt(ids, params, cache_salt, images)  # validated again, here
         prompt = PreparedPrompt(text, ids, mm)
-        self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt)
+        self.loop.add_request(core_id, None, params, on_output, cache_salt, prepared=prompt,
+                              lora_request=None if lora is None else lora.request())
 
     def _add_when_compiled(self, client, request_id, core_id, text, ids, params, cache_salt, on_output,
-                           images=None) -> None:
+                           images=None, lora=None) -> None:
         """On the grammar thread (llguidance compiles with the GIL released): validate, compile, hand over."""
         try:
-            self._add(core_id, text, ids, params, cache_salt, on_output, images)
+            self._add(core_id, text, ids, params, cache_salt, on_output, images, lora)
             self._compiled.put((client, core_id, None))
         except Exception as e:
             self._compiled.put((client, core_id, proto.encode(proto.Fail(request_id, _fail_kind(e), str(e)))))
@@ -246,9 +248,9 @@ class EngineCoreServer:
                 self._compiling.add(core_id)  # not on the thread that steps every other request
                 self.owned[client].add(core_id)
                 self._compiler.submit(self._add_when_compiled, client, m.request_id, core_id, m.text, m.ids,
-                                      params, m.cache_salt, on_output, m.images)
+                                      params, m.cache_salt, on_output, m.images, m.lora)
                 return
-            self._add(core_id, m.text, m.ids, params, m.cache_salt, on_output, m.images)
+            self._add(core_id, m.text, m.ids, params, m.cache_salt, on_output, m.images, m.lora)
         except Exception as e:  # the API side validated it already; refuse what still does not pass
             self._send(client, proto.encode(proto.Fail(m.request_id, _fail_kind(e), str(e))))
             return

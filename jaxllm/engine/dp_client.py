@@ -19,6 +19,7 @@ import numpy as np
 from jaxllm.engine.core_client import EngineCoreClient
 from jaxllm.engine.core_protocol import CoreInfo
 from jaxllm.engine.engine_loop import EngineDeadError
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -80,7 +81,8 @@ class DataParallelClient:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput | Exception], None], cache_salt: str | None = None, *,
-                    prepared: tuple[str | None, list[int]] | None = None) -> None:
+                    prepared: tuple[str | None, list[int]] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         if not self.alive:
             raise EngineDeadError(self.error or "an engine core is not connected")
         prepared = prepared or self.frontend.prepare_prompt(prompt, params, cache_salt)
@@ -96,7 +98,8 @@ class DataParallelClient:
         self.owner[request_id] = rank
         self.routed[rank] += 1
         try:
-            self.ranks[rank].add_request(request_id, None, params, forward, cache_salt, prepared=prepared)
+            self.ranks[rank].add_request(request_id, None, params, forward, cache_salt, prepared=prepared,
+                                         lora_request=lora_request)
         except Exception:
             self.owner.pop(request_id, None)
             raise
@@ -111,8 +114,12 @@ class DataParallelClient:
             r.stop(drain_timeout_s)
 
 
-def _add(values: list) -> int | float | list:
-    """The ranks' values of a counter added up; a list of counters (by position) element by element."""
+def _add(values: list) -> int | float | list | dict:
+    """The ranks' values of a counter added up; a list of counters (by position) element by element, a dict of
+    them (by key) key by key."""
+    if values and isinstance(values[0], dict):
+        keys = {k for v in values if isinstance(v, dict) for k in v}
+        return {k: sum(v.get(k, 0) for v in values if isinstance(v, dict)) for k in sorted(keys)}
     if values and isinstance(values[0], list):
         width = max(len(v) for v in values if isinstance(v, list))
         return [sum(v[i] for v in values if isinstance(v, list) and i < len(v)) for i in range(width)]

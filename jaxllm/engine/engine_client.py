@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from jaxllm.engine.frontend import Frontend, PreparedPrompt
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
@@ -38,9 +39,10 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams | PoolingParams,
                     on_output: OnOutput, cache_salt: str | None = None, *,
-                    prepared: PreparedPrompt | None = None) -> None:
+                    prepared: PreparedPrompt | None = None, lora_request: LoRARequest | None = None) -> None:
         """Raises InvalidRequestError (bad input) or EngineDeadError in the caller's thread; outputs (or an
-        exception, if the request failed later) reach `on_output`."""
+        exception, if the request failed later) reach `on_output`. lora_request: the adapter it runs with (one
+        the frontend's `check_lora` passed; the engine reads it again)."""
 
     def abort_request(self, request_id: str) -> None: ...
 

@@ -17,6 +17,7 @@ import traceback
 from collections.abc import Callable
 
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -86,7 +87,8 @@ class EngineLoop:
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams,
                     on_output: Callable[[RequestOutput], None], cache_salt: str | None = None, *,
-                    prepared: tuple[str | None, list[int]] | None = None) -> None:
+                    prepared: tuple[str | None, list[int]] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validation errors (InvalidRequestError: bad prompt or parameters) are raised here, in the caller's
         thread, so nothing a client sends can raise inside the engine thread. prepared: the result of
         `engine.prepare_prompt(prompt, params, cache_salt)`, when the caller already ran it (e.g. on a worker
@@ -94,7 +96,7 @@ class EngineLoop:
         if not self.alive:
             raise EngineDeadError(self.error or "the engine is stopped")
         prepared = prepared or self.engine.prepare_prompt(prompt, params, cache_salt)
-        self._inbox.put(("add", (request_id, prepared, params, on_output, cache_salt)))
+        self._inbox.put(("add", (request_id, prepared, params, on_output, cache_salt, lora_request)))
 
     def abort_request(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -111,10 +113,10 @@ class EngineLoop:
 
     def _apply(self, kind: str, arg) -> None:
         if kind == "add":
-            request_id, prepared, params, on_output, cache_salt = arg
+            request_id, prepared, params, on_output, cache_salt, lora_request = arg
             try:
                 self.engine.add_request(request_id, prepared[1], params, on_output, prepared=prepared,
-                                        cache_salt=cache_salt)
+                                        cache_salt=cache_salt, lora_request=lora_request)
             except Exception as e:  # e.g. a duplicate request id: only this request is refused
                 logger.warning("request %s rejected: %s", request_id, e)
                 try:

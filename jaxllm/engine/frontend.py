@@ -13,6 +13,9 @@ from typing import NamedTuple
 
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from jaxllm.lora.adapter import load_adapter
+from jaxllm.lora.request import LoRARequest
+from jaxllm.lora.spec import LoRASpec
 from jaxllm.multimodal.inputs import MultiModalInputs, MultiModalSpec
 from jaxllm.pooling_params import GENERATE, PoolingParams
 from jaxllm.sampling_params import RequestLimits, SamplingParams, check_int, check_text
@@ -39,18 +42,29 @@ class PreparedPrompt(NamedTuple):
 
 class Frontend:
     def __init__(self, tokenizer: Tokenizer | None, limits: RequestLimits, eos_token_ids: tuple[int, ...],
-                 model_name: str, score_template: str | None = None, mm_spec: MultiModalSpec | None = None):
+                 model_name: str, score_template: str | None = None, mm_spec: MultiModalSpec | None = None,
+                 lora_spec: LoRASpec | None = None):
         """score_template: how a decoder reranker reads a (query, document) pair (`jaxllm.scoring`); mm_spec: what
-        a vision-language model accepts (None: text only)."""
+        a vision-language model accepts (None: text only); lora_spec: what LoRA adapters are checked against (None:
+        the engine serves none)."""
         self.tokenizer, self.limits, self.eos_token_ids, self.model_name = tokenizer, limits, eos_token_ids, model_name
         self.score_template = score_template
         self.mm_spec = mm_spec
+        self.lora_spec = lora_spec
         if tokenizer is not None:
             tokenizer.max_token_bytes  # noqa: B018 (computed now, not on a request: check_text_fits uses it)
 
     @property
     def max_model_len(self) -> int:
         return self.limits.max_model_len
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """Reads and checks the adapter as the engine will (`LoRAError`: it cannot be served on this model; an
+        InvalidRequestError: the engine serves no adapters); safe to call from any thread."""
+        if self.lora_spec is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora)",
+                                      "lora_request")
+        load_adapter(request.lora_name, request.lora_path, self.lora_spec)
 
     def prepare_prompt(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                        cache_salt: str | None = None, images: list | None = None) -> PreparedPrompt:

@@ -47,8 +47,6 @@ class LLMEngine:
         self.eos_token_ids, self.pooling, self.limits = parts.eos_token_ids, parts.pooling, parts.limits
         self.checkpoint_bytes_read = parts.checkpoint_bytes_read
         self.mm_spec = parts.encoder.spec if parts.encoder else None
-        self.frontend = Frontend(self.tokenizer, self.limits, self.eos_token_ids, self.model_name,
-                                 score_template=config.score_template, mm_spec=self.mm_spec)
         self.block_manager = BlockManager(parts.kv.num_pages, parts.kv.page_size, config.enable_prefix_caching)
         start = time.perf_counter()
         self.runner = ModelRunner.from_parts(parts, config.buckets())
@@ -60,6 +58,9 @@ class LLMEngine:
             tables = LoRATables(self.runner.params, self.runner.param_paths)
             self.loras = LoRAManager(self.model.config, tables, max_loras=config.max_loras,
                                      max_rank=config.max_lora_rank, max_cpu_loras=config.max_cpu_loras)
+        self.frontend = Frontend(self.tokenizer, self.limits, self.eos_token_ids, self.model_name,
+                                 score_template=config.score_template, mm_spec=self.mm_spec,
+                                 lora_spec=self.loras.spec if self.loras else None)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens, chunked=self.causal,
                                    encoder_cache=parts.encoder.cache if parts.encoder else None,
@@ -346,7 +347,23 @@ class LLMEngine:
             "prefix_cache_hit_tokens_total": self.block_manager.prefix_hits,
             "images_encoded_total": cache.encoded if (cache := self.runner.encoder_cache) else 0,
             "encoder_cache_hits_total": cache.hits if cache else 0,
-        } | (self.drafter.stats.counters() if self.drafter is not None else {})
+        } | (self.drafter.stats.counters() if self.drafter is not None else {}) | self._lora_stats()
+
+    def _lora_stats(self) -> dict:
+        """Requests per adapter name, running (a sequence in the batch) and waiting; the device's adapter slots
+        (vLLM's lora_requests_info)."""
+        if self.loras is None:
+            return {}
+        running: dict[str, set[str]] = {}
+        waiting: dict[str, set[str]] = {}
+        for queue, into in ((self.scheduler.running, running), (self.scheduler.waiting, waiting)):
+            for seq in queue:
+                lora = seq.request.lora_request
+                if lora is not None:
+                    into.setdefault(lora.lora_name, set()).add(seq.request.request_id)
+        return {"lora_requests_running": {k: len(v) for k, v in running.items()},
+                "lora_requests_waiting": {k: len(v) for k, v in waiting.items()},
+                "lora_max_loras": self.config.max_loras}
 
 
 __all__ = ["InvalidRequestError", "LLMEngine", "PromptTooLongError", "SequenceStatus"]

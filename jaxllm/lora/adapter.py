@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file
 
-from jaxllm.config import ModelConfig
 from jaxllm.errors import InvalidRequestError
-from jaxllm.models.lora import TARGETS, module_shape
+from jaxllm.lora.spec import LoRASpec
+from jaxllm.models.lora import TARGETS
 
 _TENSOR = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
 
@@ -45,8 +45,8 @@ class LoRAAdapter:
         return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
 
 
-def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -> LoRAAdapter:
-    """Reads and checks the adapter at `path` (a folder) for a base of config `cfg`; LoRAError if it cannot be
+def load_adapter(name: str, path: str | Path, spec: LoRASpec) -> LoRAAdapter:
+    """Reads and checks the adapter at `path` (a folder) against the base's `spec`; LoRAError if it cannot be
     served."""
     folder = Path(path)
     config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
@@ -77,8 +77,8 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
     r = int(config.get("r", 0))
     if r < 1:
         raise LoRAError(f"LoRA adapter {name!r}: rank r={r}")
-    if r > max_rank:
-        raise LoRAError(f"LoRA adapter {name!r}: rank {r} is above max_lora_rank {max_rank}")
+    if r > spec.max_rank:
+        raise LoRAError(f"LoRA adapter {name!r}: rank {r} is above max_lora_rank {spec.max_rank}")
     alpha = float(config.get("lora_alpha", r))
     scale = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     try:
@@ -91,15 +91,18 @@ def load_adapter(name: str, path: str | Path, cfg: ModelConfig, max_rank: int) -
         if m is None or m.group(3) not in TARGETS:
             raise LoRAError(f"LoRA adapter {name!r}: unsupported tensor {key!r}")
         layer = int(m.group(1))
-        if layer >= cfg.num_layers:
-            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} in {key!r}, the base has {cfg.num_layers}")
+        if layer >= spec.num_layers:
+            raise LoRAError(f"LoRA adapter {name!r}: layer {layer} in {key!r}, the base has {spec.num_layers}")
         pairs.setdefault((layer, m.group(3)), {})[m.group(4)] = value
+    missing = sorted({m for _, m in pairs} - set(spec.shapes))
+    if missing:
+        raise LoRAError(f"LoRA adapter {name!r}: this model has no LoRA-capable {missing}")
     weights = {}
     for (layer, module), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has lora_{set(ab).pop()} alone")
         a, b = ab["A"].astype(np.float32), ab["B"].astype(np.float32)
-        out, inp = module_shape(cfg, module)
+        out, inp = spec.shapes[module]
         if a.shape != (r, inp) or b.shape != (out, r):
             raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {module} has A {list(a.shape)} and B "
                             f"{list(b.shape)}; this base needs [{r}, {inp}] and [{out}, {r}]")

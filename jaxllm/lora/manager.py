@@ -22,7 +22,7 @@ from jaxllm.engine.sequence import Sequence
 from jaxllm.lora.adapter import LoRAAdapter, LoRAError, load_adapter
 from jaxllm.lora.layout import pack_layer
 from jaxllm.lora.request import LoRARequest
-from jaxllm.models.lora import TARGETS
+from jaxllm.lora.spec import LoRASpec
 
 
 @functools.partial(jax.jit, static_argnums=3)  # no donation: a step in flight may still read the old table
@@ -66,6 +66,7 @@ class LoRAManager:
         self.cfg, self.tables = cfg, tables
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.spec = LoRASpec.of(cfg, max_rank, tables.linears)  # what adapters are checked against
         self.host: OrderedDict[int, tuple[LoRARequest, LoRAAdapter]] = OrderedDict()  # LRU: last = most recent
         self.slot_of: dict[int, int] = {}  # lora_int_id -> slot
         self.users = [0] * max_loras  # running sequences holding each slot
@@ -82,10 +83,7 @@ class LoRAManager:
                                 f"({known[0].lora_path!r})")
             self.host.move_to_end(request.lora_int_id)
             return known[1]
-        adapter = load_adapter(request.lora_name, request.lora_path, self.cfg, self.max_rank)
-        missing = sorted(m for m in adapter.targets if TARGETS[m][0] not in self.tables.linears)
-        if missing:
-            raise LoRAError(f"LoRA adapter {request.lora_name!r}: this model has no LoRA-capable {missing}")
+        adapter = load_adapter(request.lora_name, request.lora_path, self.spec)
         self.host[request.lora_int_id] = (request, adapter)
         while len(self.host) > self.max_cpu_loras:  # the least recently used that is not on the device
             victim = next((k for k in self.host if k not in self.slot_of), None)
