@@ -179,3 +179,28 @@ def test_prompt_logprobs_as_vllm_returns_them(server):
         for entry in plp[1:]:
             assert 2 <= len(entry) <= 3 and {e["rank"] for e in entry.values()} >= {1, 2}
             assert all(e["logprob"] <= 0 and isinstance(e["decoded_token"], str) for e in entry.values())
+
+
+def test_return_token_ids_streamed_and_not(server, client):
+    """vLLM's return_token_ids: the ids behind the text, whole or chunk by chunk (the openai client keeps fields it
+    does not know in `model_extra`)."""
+    prompt = "The three primary colors are"
+    ids = tokenize(server, prompt=prompt)["tokens"]
+    extra = {"return_token_ids": True}
+    whole = client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body=extra).choices[0]
+    assert whole.model_extra["prompt_token_ids"] == ids and len(whole.model_extra["token_ids"]) == 12
+    assert tokenize(server, prompt=whole.text, add_special_tokens=False)["tokens"] == whole.model_extra["token_ids"]
+    chunks = list(client.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=12,
+                                            temperature=0, stream=True, extra_body=extra))
+    assert chunks[0].choices[0].model_extra["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c.choices[0].model_extra for c in chunks[1:])
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == whole.model_extra["token_ids"]
+    chat = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0, max_tokens=20,
+                                          extra_body=extra)
+    assert chat.model_extra["prompt_token_ids"] == tokenize(server, messages=CHAT)["tokens"]
+    streamed = list(client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=CHAT, temperature=0,
+                                                   max_tokens=20, stream=True, extra_body=extra))
+    assert streamed[0].model_extra["prompt_token_ids"] == chat.model_extra["prompt_token_ids"]
+    got = [t for c in streamed if c.choices for t in c.choices[0].model_extra.get("token_ids", [])]
+    assert got == chat.choices[0].model_extra["token_ids"] and len(got) == chat.usage.completion_tokens
