@@ -52,7 +52,10 @@ class LoRATables:
         for i, layer, linear, which in self.entries:
             k = 0 if which == "a" else 1
             value = np.stack([p[linear][k] for p in packed]) if layer is None else packed[layer][linear][k]
-            self.params[i] = _set_slot(self.params[i], value, np.int32(slot), 0 if layer is not None else 1)
+            old = self.params[i]
+            new = _set_slot(old, value, np.int32(slot), 0 if layer is not None else 1)
+            # as the step's executables were compiled for (a no-op unless the update moved a split table's shards)
+            self.params[i] = jax.device_put(new, old.sharding)
 
     def warm_up(self, cfg: ModelConfig, rank: int) -> None:
         """Compiles each table shape's update now (writing zeros into slot 0, which holds nothing yet)."""

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import ModelConfig
 from pallas_kernels import dot_precision
@@ -76,11 +78,32 @@ def enable(model, max_loras: int, max_rank: int) -> None:
                 continue
             out, inp = linear_shape(cfg, linear)
             width = len(parts) * max_rank
-            module.lora_a = LoRATable(jnp.zeros((max_loras, width, inp), model.dtype))
-            module.lora_b = LoRATable(jnp.zeros((max_loras, out, width), model.dtype))
+            a_spec, b_spec = _table_specs(module.weight.get_value())
+            module.lora_a = LoRATable(_zeros((max_loras, width, inp), model.dtype, a_spec))
+            module.lora_b = LoRATable(_zeros((max_loras, out, width), model.dtype, b_spec))
             module.lora_rank = max_rank
     if stacked:
         model.stack_layers()
+
+
+def _table_specs(weight: jax.Array) -> tuple[NamedSharding | None, NamedSharding | None]:
+    """The tables' shardings under tensor parallelism (None: one device): A [S, R, in] split as the weight's input
+    axis, B [S, out, R] as its output axis, so that each device's share of the adapter term is the share of the
+    output it computes (a row-parallel layer's partial x A^T is summed by GSPMD, as its base product is)."""
+    sharding = getattr(weight, "sharding", None)
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
+        return None, None
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    out_axis, in_axis = spec  # (packed 4-bit rows [out, in / 2] split as their input is: by whole blocks)
+    mesh = sharding.mesh
+    return (NamedSharding(mesh, PartitionSpec(None, None, in_axis)),
+            NamedSharding(mesh, PartitionSpec(None, out_axis, None)))
+
+
+def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax.Array:
+    if sharding is None:
+        return jnp.zeros(shape, dtype)
+    return jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
 
 
 def delta(x: jax.Array, a, b, slots: jax.Array) -> jax.Array:

@@ -173,3 +173,24 @@ def test_the_base_model_through_a_lora_engine_is_the_plain_engines_bit_for_bit(s
     assert run(llm, None) == want
     mixed = run(llm, [None, adapters["a"][0], None, adapters["b"][0]])
     assert [mixed[0], mixed[2]] == [want[0], want[2]]
+
+
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_cache_dir):
+    """Tables split as their layers' weights (A by the input, B by the output): column- and row-parallel layers,
+    fused q/k/v and gate/up, on 2 devices."""
+    folder, hf_model = tiny_model_dir("qwen2_tp")
+    everything = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    a = _make_adapter(hf_model, tmp_path / "a", everything, 8, 4)
+    b = _make_adapter(hf_model, tmp_path / "b", ["k_proj", "o_proj", "up_proj", "down_proj"], 4, 5)
+    llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64,
+              page_size=4, compilation_cache_dir=compile_cache_dir, enable_lora=True, max_loras=2, max_lora_rank=8,
+              tensor_parallel_size=2)
+    specs = {(linear, which): tuple(llm.engine.runner.params[i].sharding.spec)
+             for i, _, linear, which in llm.engine.loras.tables.entries}
+    assert "tp" in specs["self_attn.qkv_proj", "b"][-2] and "tp" in specs["mlp.down_proj", "a"][-1]
+    prompts = _prompts(13)
+    mix = [LoRARequest("a", 1, str(tmp_path / "a")), None, LoRARequest("b", 2, str(tmp_path / "b")),
+           LoRARequest("a", 1, str(tmp_path / "a"))]
+    models = [a, hf_model, b, a]
+    assert _run(llm, prompts, mix) == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
