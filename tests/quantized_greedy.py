@@ -8,7 +8,7 @@ import numpy as np
 
 
 def assert_greedy_within(llm, reference, prompts: list[list[int]], *, tokens: int = 8, margin: float = 0.1,
-                         exact_share: float = 0.75) -> None:
+                         exact_share: float = 0.75, lora_request=None) -> None:
     """reference: a transformers model (float32). Each token's reference logit is at most `margin` below the
     reference's top logit at that step (Q8_0 of weights of std 0.08: errors ~0.05 on logits of ~2), and at least
     `exact_share` of the tokens are the reference's top token (near-ties are few)."""
@@ -17,7 +17,7 @@ def assert_greedy_within(llm, reference, prompts: list[list[int]], *, tokens: in
     from jaxllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False, lora_request=lora_request)
     exact = 0
     for prompt, out in zip(prompts, outs, strict=True):
         got = list(out.outputs[0].token_ids)

@@ -194,3 +194,22 @@ def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_c
            LoRARequest("a", 1, str(tmp_path / "a"))]
     models = [a, hf_model, b, a]
     assert _run(llm, prompts, mix) == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
+
+
+def test_an_adapter_over_a_quantized_gguf_base(tiny_model_dir, tmp_path, compile_cache_dir):
+    """The base's Q8_0 weights stay quantized; the adapter's term is added in float: greedy tokens within the
+    quantization's rounding of transformers + peft over the float base."""
+    from gguf import GGMLQuantizationType
+
+    from tests.gguf_writer import write_llama_gguf
+    from tests.quantized_greedy import assert_greedy_within
+
+    _, hf_model = tiny_model_dir("llama")
+    path = write_llama_gguf(hf_model, tmp_path / "tiny-q8_0.gguf", GGMLQuantizationType.Q8_0)
+    peft_model = _make_adapter(hf_model, tmp_path / "a", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"], 8, 6)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4,
+              compilation_cache_dir=compile_cache_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
+    assert any(p.dtype == np.int8 for p in llm.engine.runner.params)  # served quantized
+    prompts = _prompts(17)
+    assert [_hf_greedy(peft_model, p) for p in prompts] != [_hf_greedy(hf_model, p) for p in prompts]
+    assert_greedy_within(llm, peft_model, prompts, lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
