@@ -66,6 +66,7 @@ class Linear(nnx.Module):
         self.kernels = choose_kernels(dtype=dtype)
         # LoRA adapter slots (`jaxllm.models.lora.enable`): tables a [slots, R, in], b [slots, out, R]
         self.lora_rank = 0
+        self.lora_fused: tuple[int, ...] | None = None  # a fused layer's row layout (`jaxllm.models.lora`)
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)
 
     @property
@@ -78,7 +79,8 @@ class Linear(nnx.Module):
         if lora_slots is None or self.lora_a is None:
             return y
         from jaxllm.models.lora import delta
-        return y + delta(x, self.lora_a.get_value(), self.lora_b.get_value(), lora_slots).astype(y.dtype)
+        return y + delta(x, self.lora_a.get_value(), self.lora_b.get_value(), lora_slots,
+                         self.lora_fused).astype(y.dtype)
 
     def _base(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:

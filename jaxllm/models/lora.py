@@ -2,10 +2,11 @@
 token the adapter of its slot, ``y = x W^T + (x A_s^T) B_s^T`` (the adapter's scale folded into B), for a ragged
 batch where neighbouring tokens may use different adapters.
 
-A table is ``a [slots, parts * rank, in]`` and ``b [slots, out, parts * rank]``: a fused projection (q/k/v,
-gate/up) holds its parts' ranks side by side in A and block-diagonally in B, its rows in the fused layout
-(`jaxllm.lora.layout` packs them). Slot -1 is "no adapter". The engine writes adapters into slots between steps
-(same shapes: nothing recompiles); the step gets each token's slot ([T] int32).
+A table is ``a [slots, parts * rank, in]`` and ``b [slots, out, rank]``: a fused projection (q/k/v, gate/up)
+holds its parts' ranks side by side in A, and each of its output rows (in the fused layout) holds the B row of the
+part it belongs to (`row_parts`; `jaxllm.lora.layout` packs them): no block of zeros is stored or read. Slot -1
+is "no adapter". The engine writes adapters into slots between steps (same shapes: nothing recompiles); the step
+gets each token's slot ([T] int32).
 
 A step of at most as many tokens as slots (a decode step of few sequences) gathers each token's own A and B and
 reads nothing else of the tables; a larger step runs the product over every slot with a one-hot mask (each
@@ -80,10 +81,33 @@ def enable(model, max_loras: int, max_rank: int) -> None:
             width = len(parts) * max_rank
             a_spec, b_spec = _table_specs(module.weight.get_value())
             module.lora_a = LoRATable(_zeros((max_loras, width, inp), model.dtype, a_spec))
-            module.lora_b = LoRATable(_zeros((max_loras, out, width), model.dtype, b_spec))
+            module.lora_b = LoRATable(_zeros((max_loras, out, max_rank), model.dtype, b_spec))
             module.lora_rank = max_rank
+            module.lora_fused = fused_layout(cfg, linear)
     if stacked:
         model.stack_layers()
+
+
+def fused_layout(cfg: ModelConfig, linear: str) -> tuple[int, ...] | None:
+    """How a fused layer's output rows interleave its parts (static, hashable): q/k/v (kv_heads, group, head_dim),
+    gate/up (mlp,); None: not fused."""
+    if linear == "self_attn.qkv_proj":
+        return cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    if linear == "mlp.gate_up_proj":
+        return (cfg.intermediate_size,)
+    return None
+
+
+def row_parts(fused: tuple[int, ...] | None) -> np.ndarray | None:
+    """[out] int32: the part (index into `PARTS`' tuple) each output row of a fused layer belongs to; q/k/v rows are
+    ``[kv_heads, group + 2, head_dim]`` (`jaxllm.models.attention`), gate/up rows ``[mlp, 2]``."""
+    if fused is None:
+        return None
+    if len(fused) == 3:
+        kvh, group, d = fused
+        per_head = np.concatenate([np.zeros(group * d), np.full(d, 1), np.full(d, 2)])
+        return np.tile(per_head, kvh).astype(np.int32)
+    return np.tile(np.arange(2), fused[0]).astype(np.int32)
 
 
 def _table_specs(weight: jax.Array) -> tuple[NamedSharding | None, NamedSharding | None]:
@@ -106,20 +130,29 @@ def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax
     return jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
 
 
-def delta(x: jax.Array, a, b, slots: jax.Array) -> jax.Array:
-    """x [T, in], a [S, R, in], b [S, out, R] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
-    none) -> [T, out]: each row's adapter term."""
+def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = None) -> jax.Array:
+    """x [T, in], a [S, P * R, in], b [S, out, R] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
+    none) -> [T, out]: each row's adapter term. fused: the layer's `fused_layout` (P parts), None for one part."""
     p = dot_precision(x)
+    parts = row_parts(fused)
+    rank = b.shape[-1]
     if x.shape[0] <= a.shape[0]:  # each token's own adapter only
         mine = (slots >= 0)[:, None].astype(x.dtype)
         at = jnp.maximum(slots, 0)
-        a_t, b_t = _rows(a, at), _rows(b, at)  # [T, R, in], [T, out, R]
-        u = jnp.einsum("ti,tri->tr", x, a_t.astype(x.dtype), precision=p) * mine
-        return jnp.einsum("tr,tor->to", u, b_t.astype(x.dtype), precision=p)
+        a_t, b_t = _rows(a, at), _rows(b, at)  # [T, P * R, in], [T, out, R]
+        u = jnp.einsum("ti,tri->tr", x, a_t.astype(x.dtype), precision=p) * mine  # [T, P * R]
+        if parts is None:
+            return jnp.einsum("tr,tor->to", u, b_t.astype(x.dtype), precision=p)
+        u_rows = jnp.take(u.reshape(u.shape[0], -1, rank), parts, axis=1)  # [T, out, R]: each row's part's
+        return jnp.einsum("tor,tor->to", u_rows, b_t.astype(x.dtype), precision=p)
     a, b = a[...], b[...]
-    u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, R]
+    u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, P * R]
     mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)  # [T, S]
     u = jnp.where(mine[:, :, None], u, jnp.zeros_like(u))
+    if parts is not None:  # B block-diagonal again, for one product over every slot: [S, out, P * R]
+        width = u.shape[-1]
+        own = parts[:, None] == np.arange(width) // rank  # [out, P * R]
+        b = jnp.where(own[None], jnp.tile(b, (1, 1, width // rank)), jnp.zeros((), b.dtype))
     return jnp.einsum("tsr,sor->to", u, b.astype(x.dtype), precision=p)
 
 

@@ -35,25 +35,35 @@ def _adapter(seed: int, rank: int = 4, modules=tuple(SHAPES)) -> LoRAAdapter:
         for layer in range(CFG.num_layers) for m in modules})
 
 
+def _term(packed, linear, x):
+    """The model's adapter term of one packed layer, by both of `lora.delta`'s paths (each token's own slot
+    gathered: 8 slots for 5 tokens; every slot at once: 1 slot), which must agree."""
+    a, b = packed[linear]
+    slots = np.zeros(len(x), np.int32)
+    fused = lora.fused_layout(CFG, linear)
+    own = lora.delta(x, np.stack([a] * 8), np.stack([b] * 8), slots, fused)
+    every = lora.delta(x, a[None], b[None], slots, fused)
+    np.testing.assert_allclose(own, every, rtol=1e-5, atol=1e-5)
+    return np.asarray(own)
+
+
 def test_packed_tables_give_each_modules_own_term_in_the_fused_layout():
     adapter = _adapter(0, rank=3, modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     packed = pack_layer(adapter, CFG, 1, rank=4)
+    assert packed["mlp.gate_up_proj"][1].shape == (96, 4)  # one rank's columns: no block of zeros
     term = {m: x @ a.T @ b.T for (layer, m), (a, b) in adapter.weights.items() if layer == 1 and m != "down_proj"}
-    a, b = packed["self_attn.qkv_proj"]
-    fused = (x @ a.T @ b.T).reshape(5, 2, 4, 8)  # [T, kv_heads, group + 2, head_dim]
+    fused = _term(packed, "self_attn.qkv_proj", x).reshape(5, 2, 4, 8)  # [T, kv_heads, group + 2, head_dim]
     np.testing.assert_allclose(fused[:, :, :2].reshape(5, 32), term["q_proj"], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(fused[:, :, 2], 0)  # k: not a target
     np.testing.assert_allclose(fused[:, :, 3].reshape(5, 16), term["v_proj"], rtol=1e-5, atol=1e-5)
-    a, b = packed["mlp.gate_up_proj"]
-    gate_up = (x @ a.T @ b.T).reshape(5, 48, 2)
+    gate_up = _term(packed, "mlp.gate_up_proj", x).reshape(5, 48, 2)
     np.testing.assert_allclose(gate_up[..., 0], term["gate_proj"], rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(gate_up[..., 1], term["up_proj"], rtol=1e-5, atol=1e-5)
     assert not packed["self_attn.o_proj"][0].any()
     x48 = np.random.default_rng(2).standard_normal((5, 48)).astype(np.float32)
-    a, b = packed["mlp.down_proj"]
     a_down, b_down = adapter.weights[(1, "down_proj")]
-    np.testing.assert_allclose(x48 @ a.T @ b.T, x48 @ a_down.T @ b_down.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(_term(packed, "mlp.down_proj", x48), x48 @ a_down.T @ b_down.T, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("stacked", [True, False])
