@@ -79,8 +79,8 @@ class Linear(nnx.Module):
         if lora_slots is None or self.lora_a is None:
             return y
         from jaxllm.models.lora import delta
-        return y + delta(x, self.lora_a.get_value(), self.lora_b.get_value(), lora_slots,
-                         self.lora_fused).astype(y.dtype)
+        return y + delta(x, self.lora_a.get_value(), self.lora_b.get_value(), lora_slots, self.lora_fused,
+                         self.kernels.matmul).astype(y.dtype)
 
     def _base(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:

@@ -9,7 +9,8 @@ is "no adapter". The engine writes adapters into slots between steps (same shape
 gets each token's slot ([T] int32).
 
 A step of at most as many tokens as slots (a decode step of few sequences) gathers each token's own A and B and
-reads nothing else of the tables; a larger step runs the product over every slot with a one-hot mask (each
+reads nothing else of the tables (on CPU, steps of up to 32 tokens run `pallas_kernels.lora_delta`'s kernel,
+which reads each token's slot in place); a larger step runs the product over every slot with a one-hot mask (each
 token's row of ``x A^T`` kept for its own slot only, the others exact zeros), its cost the slot count times the
 rank, small next to the base matmul there. Either way a row's result depends on its own input and slot alone,
 not on the other rows' values, though the two paths may round differently.
@@ -25,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import ModelConfig
 from pallas_kernels import dot_precision
+from pallas_kernels.lora_delta import cpu as lora_cpu
+from pallas_kernels.lora_delta.reference import lora_delta as reference_delta
 
 # PEFT's module name -> (the model's linear layer, its part of a fused one)
 TARGETS: dict[str, tuple[str, str | None]] = {
@@ -130,21 +133,20 @@ def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax
     return jax.device_put(np.zeros(shape, jnp.dtype(dtype)), sharding)
 
 
-def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = None) -> jax.Array:
+def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = None, matmul: str = "reference"
+          ) -> jax.Array:
     """x [T, in], a [S, P * R, in], b [S, out, R] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
-    none) -> [T, out]: each row's adapter term. fused: the layer's `fused_layout` (P parts), None for one part."""
+    none) -> [T, out]: each row's adapter term. fused: the layer's `fused_layout` (P parts), None for one part;
+    matmul: the layer's matmul implementation (``cpu``: the CPU kernel of `pallas_kernels.lora_delta` for the
+    steps it takes)."""
     p = dot_precision(x)
     parts = row_parts(fused)
     rank = b.shape[-1]
-    if x.shape[0] <= a.shape[0]:  # each token's own adapter only
-        mine = (slots >= 0)[:, None].astype(x.dtype)
-        at = jnp.maximum(slots, 0)
-        a_t, b_t = _rows(a, at), _rows(b, at)  # [T, P * R, in], [T, out, R]
-        u = jnp.einsum("ti,tri->tr", x, a_t.astype(x.dtype), precision=p) * mine  # [T, P * R]
-        if parts is None:
-            return jnp.einsum("tr,tor->to", u, b_t.astype(x.dtype), precision=p)
-        u_rows = jnp.take(u.reshape(u.shape[0], -1, rank), parts, axis=1)  # [T, out, R]: each row's part's
-        return jnp.einsum("tor,tor->to", u_rows, b_t.astype(x.dtype), precision=p)
+    (a_stack, layer), (b_stack, _) = _stack(a), _stack(b)
+    if matmul == "cpu" and lora_cpu.applies(x, a_stack, b_stack):  # the tables read in place
+        return lora_cpu.lora_delta(x, a_stack, b_stack, layer, slots, parts)
+    if x.shape[0] <= a_stack.shape[1]:  # each token's own adapter only
+        return reference_delta(x, a_stack, b_stack, layer, slots, parts)
     a, b = a[...], b[...]
     u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, P * R]
     mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)  # [T, S]
@@ -156,13 +158,11 @@ def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = 
     return jnp.einsum("tsr,sor->to", u, b.astype(x.dtype), precision=p)
 
 
-def _rows(table, slots: jax.Array) -> jax.Array:
-    """table[slots]: of a scanned layer's stack, one gather that reads those slots of that layer alone (a slice of
-    the layer first would copy every slot)."""
+def _stack(table) -> tuple[jax.Array, jax.Array | int]:
+    """(a layer stack [L, ...], the layer's index): a scanned layer's `LayerSlice` as the kernels read it in place (a
+    slice of the layer first would copy every slot), a separate layer's table as a stack of one."""
     from jaxllm.models.stacked_layers import LayerSlice
 
     if isinstance(table, LayerSlice):
-        stack = table.stacked  # [L, S, ...]
-        flat = stack.reshape(-1, *stack.shape[2:])
-        return jnp.take(flat, table.index * stack.shape[1] + slots, axis=0)
-    return jnp.take(table, slots, axis=0)
+        return table.stacked, table.index
+    return table[None], 0

@@ -36,14 +36,16 @@ def _adapter(seed: int, rank: int = 4, modules=tuple(SHAPES)) -> LoRAAdapter:
 
 
 def _term(packed, linear, x):
-    """The model's adapter term of one packed layer, by both of `lora.delta`'s paths (each token's own slot
-    gathered: 8 slots for 5 tokens; every slot at once: 1 slot), which must agree."""
+    """The model's adapter term of one packed layer, by each of `lora.delta`'s paths (each token's own slot
+    gathered: 8 slots for 5 tokens; every slot at once: 1 slot; the CPU kernel), which must agree."""
     a, b = packed[linear]
     slots = np.zeros(len(x), np.int32)
     fused = lora.fused_layout(CFG, linear)
     own = lora.delta(x, np.stack([a] * 8), np.stack([b] * 8), slots, fused)
     every = lora.delta(x, a[None], b[None], slots, fused)
+    kernel = lora.delta(x, a[None], b[None], slots, fused, matmul="cpu")  # the CPU kernel
     np.testing.assert_allclose(own, every, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(kernel, own, rtol=1e-5, atol=1e-5)
     return np.asarray(own)
 
 

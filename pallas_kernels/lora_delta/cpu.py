@@ -1,0 +1,43 @@
+"""The adapter term on CPU: an XLA FFI custom call into `cpu_kernel` (two passes shared with XLA's thread pool).
+For float32 tables and activations and at most MAX_ROWS tokens (decode steps, where the reference's gathered copies
+of each token's tables cost more than the product); anything else runs the reference. The tables are given as the
+whole layer stack and the layer index: a sliced operand would be copied first."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.lora_delta.reference import lora_delta as reference_delta
+
+TARGET = "jaxllm_cpu_lora_delta"
+MAX_ROWS = 32
+
+
+def _load_handler():
+    from pallas_kernels.lora_delta.cpu_kernel import handler
+    return handler
+
+
+def register() -> None:
+    from pallas_kernels.cpu_ffi import register_once
+    register_once(TARGET, _load_handler)
+
+
+def applies(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
+    return x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == a.dtype == b.dtype == jnp.float32
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots: jax.Array,
+               parts: np.ndarray | None) -> jax.Array:
+    """As `reference.lora_delta`: x [T, in], a [L, S, P * R, in], b [L, S, out, R], layer [], slots [T] -> [T, out]."""
+    if not applies(x, a, b):
+        return reference_delta(x, a, b, layer, slots, parts)
+    register()
+    t, out, width = x.shape[0], b.shape[2], a.shape[2]
+    rows = np.zeros(1, np.int32) if parts is None else np.asarray(parts, np.int32)
+    y, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((t, out), jnp.float32),
+                                     jax.ShapeDtypeStruct((t, width), jnp.float32)))(
+        x, a, b, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32), jnp.asarray(rows))
+    return y

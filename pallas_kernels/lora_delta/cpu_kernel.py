@@ -1,0 +1,130 @@
+"""The CPU adapter-term kernel: two passes over XLA's thread pool, each reading the tables in place (no gathered
+copies). First ``u[t] = A[layer, s_t] x[t]`` by blocks of A's rows (every token of the step against the rows of its
+own slot: tokens that share an adapter read its rows from cache), then ``y[t, o] = B[layer, s_t, o] . u[t, part(o)]``
+by blocks of output rows. A token without an adapter gets exact zeros. Each element is one fixed-order dot product
+of its own token's values, so a token's result does not depend on the others or on the thread split."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import carray, types
+
+from pallas_kernels.cpu_ffi import drop_stale_cache
+
+drop_stale_cache(__file__)
+
+from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    HANDLER,
+    buffer,
+    dim,
+    export_symbol,
+    is_execute,
+    launch,
+    load32,
+    load64,
+    symbol,
+    to_int,
+    to_ptr,
+)
+
+_KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
+ROWS_PER_CHUNK = 16
+
+
+@numba.njit(**_KW)
+def a_rows(words, chunk):
+    """u[:, r0:r1] for every token; the words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S, layer)."""
+    t, n, w, s_count = load64(words + 56), load64(words + 64), load64(words + 72), load64(words + 96)
+    x = carray(to_ptr(load64(words)), (t, n), dtype=np.float32)
+    a = carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32)
+    slots = carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32)
+    u = carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32)
+    r0 = chunk * ROWS_PER_CHUNK
+    r1 = min(w, r0 + ROWS_PER_CHUNK)
+    for tok in range(t):
+        s = slots[tok]
+        if s < 0 or s >= s_count:
+            for r in range(r0, r1):
+                u[tok, r] = np.float32(0.0)
+            continue
+        for r in range(r0, r1):
+            acc = np.float32(0.0)
+            for i in range(n):
+                acc += a[s, r, i] * x[tok, i]
+            u[tok, r] = acc
+
+
+@numba.njit(**_KW)
+def b_rows(words, chunk):
+    """y[:, o0:o1] for every token."""
+    t, w, o, rank, s_count = (load64(words + 56), load64(words + 72), load64(words + 80), load64(words + 88),
+                              load64(words + 96))
+    b = carray(to_ptr(load64(words + 16)), (s_count, o, rank), dtype=np.float32)
+    parts_p = load64(words + 24)
+    slots = carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32)
+    u = carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32)
+    y = carray(to_ptr(load64(words + 48)), (t, o), dtype=np.float32)
+    o0 = chunk * ROWS_PER_CHUNK
+    o1 = min(o, o0 + ROWS_PER_CHUNK)
+    for tok in range(t):
+        s = slots[tok]
+        for row in range(o0, o1):
+            if s < 0 or s >= s_count:
+                y[tok, row] = np.float32(0.0)
+                continue
+            base = 0 if parts_p == 0 else np.int64(load32(parts_p + 4 * row)) * rank
+            acc = np.float32(0.0)
+            for r in range(rank):
+                acc += b[s, row, r] * u[tok, base + r]
+            y[tok, row] = acc
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _a_chunk(words, chunk):
+    a_rows(words, chunk)
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _b_chunk(words, chunk):
+    b_rows(words, chunk)
+
+
+export_symbol("jaxllm_cpu_lora_a_chunk", _a_chunk.address)
+export_symbol("jaxllm_cpu_lora_b_chunk", _b_chunk.address)
+_a_address = symbol("jaxllm_cpu_lora_a_chunk", True)
+_b_address = symbol("jaxllm_cpu_lora_b_chunk", True)
+
+
+@numba.njit(**_KW)
+def _execute(frame):
+    """The FFI call: inputs (x [T, in], a [L, S, P * R, in], b [L, S, out, R], layer [] int32, slots [T] int32,
+    parts [out] int32, or [1]: not fused); outputs y [T, out], u [T, P * R] (scratch). The layer index is clamped
+    into range, as XLA clamps a dynamic slice's; a slot past the table is treated as none."""
+    x_p, x_d = buffer(frame, 0)
+    a_p, a_d = buffer(frame, 1)
+    b_p, b_d = buffer(frame, 2)
+    layer_p, _ = buffer(frame, 3)
+    slots_p, _ = buffer(frame, 4)
+    parts_p, parts_d = buffer(frame, 5)
+    y_p, _ = buffer(frame, 0, True)
+    u_p, _ = buffer(frame, 1, True)
+    t, n = dim(x_d, 0), dim(x_d, 1)
+    s_count, w, o, rank = dim(a_d, 1), dim(a_d, 2), dim(b_d, 2), dim(b_d, 3)
+    layer = min(max(np.int64(load32(layer_p)), 0), dim(a_d, 0) - 1)
+    a_p += layer * s_count * w * n * 4  # float32
+    b_p += layer * s_count * o * rank * 4
+    if dim(parts_d, 0) != o:
+        parts_p = 0
+    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
+    launch(frame, words, (w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _a_address(), True)
+    launch(frame, words, (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _b_address(), True)
+
+
+@numba.cfunc(HANDLER, cache=True)
+def handler(frame_ptr):
+    """The XLA:CPU FFI handler (``pallas_kernels.cpu_ffi.HANDLER``)."""
+    frame = to_int(frame_ptr)
+    if is_execute(frame):
+        _execute(frame)
+    return to_ptr(0)
