@@ -1,6 +1,7 @@
 """The adapter term on CPU: an XLA FFI custom call into `cpu_kernel` (two passes shared with XLA's thread pool).
-For float32 tables and activations and at most MAX_ROWS tokens (decode steps, where the reference's gathered copies
-of each token's tables cost more than the product); anything else runs the reference. The tables are given as the
+For float32 tables and activations, any number of tokens: each token's own slot is read in place, where the
+reference gathers a copy of each token's tables (a decode step) and the model's path for long steps multiplies by
+every slot (a prefill chunk); other dtypes run the reference. The tables are given as the
 whole layer stack and the layer index: a sliced operand would be copied first."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 from pallas_kernels.lora_delta.reference import lora_delta as reference_delta
 
 TARGET = "jaxllm_cpu_lora_delta"
-MAX_ROWS = 32
+MAX_ROWS = 1 << 16  # a step's tokens (the u scratch is [T, P * R])
 
 
 def _load_handler():

@@ -30,19 +30,23 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 ROWS_PER_CHUNK = 16
+TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
+# spread over the threads even where A has a single block of rows)
 
 
 @numba.njit(**_KW)
 def a_rows(words, chunk):
-    """u[:, r0:r1] for every token; the words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S, layer)."""
+    """u[t0:t1, r0:r1]; the words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
     t, n, w, s_count = load64(words + 56), load64(words + 64), load64(words + 72), load64(words + 96)
     x = carray(to_ptr(load64(words)), (t, n), dtype=np.float32)
     a = carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32)
     slots = carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32)
     u = carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32)
-    r0 = chunk * ROWS_PER_CHUNK
+    row_blocks = (w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    r0 = (chunk % row_blocks) * ROWS_PER_CHUNK
     r1 = min(w, r0 + ROWS_PER_CHUNK)
-    for tok in range(t):
+    t0 = (chunk // row_blocks) * TOKENS_PER_CHUNK
+    for tok in range(t0, min(t, t0 + TOKENS_PER_CHUNK)):
         s = slots[tok]
         if s < 0 or s >= s_count:
             for r in range(r0, r1):
@@ -117,7 +121,8 @@ def _execute(frame):
     if dim(parts_d, 0) != o:
         parts_p = 0
     words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
-    launch(frame, words, (w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _a_address(), True)
+    token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
+    launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
     launch(frame, words, (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _b_address(), True)
 
 
