@@ -30,51 +30,35 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 ROWS_PER_CHUNK = 16
+SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
 
 @numba.njit(**_KW)
-def a_rows(words, chunk):
-    """u[t0:t1, r0:r1]; the words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
-    t, n, w, s_count = load64(words + 56), load64(words + 64), load64(words + 72), load64(words + 96)
-    x = carray(to_ptr(load64(words)), (t, n), dtype=np.float32)
-    a = carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32)
-    slots = carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32)
-    u = carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32)
-    row_blocks = (w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    r0 = (chunk % row_blocks) * ROWS_PER_CHUNK
-    r1 = min(w, r0 + ROWS_PER_CHUNK)
-    t0 = (chunk // row_blocks) * TOKENS_PER_CHUNK
-    for tok in range(t0, min(t, t0 + TOKENS_PER_CHUNK)):
+def a_block(x, a, slots, u, t0, t1, r0, r1):
+    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros)."""
+    for tok in range(t0, t1):
         s = slots[tok]
-        if s < 0 or s >= s_count:
+        if s < 0 or s >= a.shape[0]:
             for r in range(r0, r1):
                 u[tok, r] = np.float32(0.0)
             continue
         for r in range(r0, r1):
             acc = np.float32(0.0)
-            for i in range(n):
+            for i in range(x.shape[1]):
                 acc += a[s, r, i] * x[tok, i]
             u[tok, r] = acc
 
 
 @numba.njit(**_KW)
-def b_rows(words, chunk):
-    """y[:, o0:o1] for every token."""
-    t, w, o, rank, s_count = (load64(words + 56), load64(words + 72), load64(words + 80), load64(words + 88),
-                              load64(words + 96))
-    b = carray(to_ptr(load64(words + 16)), (s_count, o, rank), dtype=np.float32)
-    parts_p = load64(words + 24)
-    slots = carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32)
-    u = carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32)
-    y = carray(to_ptr(load64(words + 48)), (t, o), dtype=np.float32)
-    o0 = chunk * ROWS_PER_CHUNK
-    o1 = min(o, o0 + ROWS_PER_CHUNK)
-    for tok in range(t):
+def b_block(b, parts_p, slots, u, y, o0, o1):
+    """y[:, o0:o1]: each output row's B row of the token's slot against its part's columns of u."""
+    rank = b.shape[2]
+    for tok in range(y.shape[0]):
         s = slots[tok]
         for row in range(o0, o1):
-            if s < 0 or s >= s_count:
+            if s < 0 or s >= b.shape[0]:
                 y[tok, row] = np.float32(0.0)
                 continue
             base = 0 if parts_p == 0 else np.int64(load32(parts_p + 4 * row)) * rank
@@ -82,6 +66,38 @@ def b_rows(words, chunk):
             for r in range(rank):
                 acc += b[s, row, r] * u[tok, base + r]
             y[tok, row] = acc
+
+
+@numba.njit(inline="always", **_KW)
+def _arrays(words):
+    """The words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
+    t, n, w, o, rank, s_count = (load64(words + 56), load64(words + 64), load64(words + 72), load64(words + 80),
+                                 load64(words + 88), load64(words + 96))
+    return (carray(to_ptr(load64(words)), (t, n), dtype=np.float32),
+            carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32),
+            carray(to_ptr(load64(words + 16)), (s_count, o, rank), dtype=np.float32),
+            load64(words + 24),
+            carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32),
+            carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32),
+            carray(to_ptr(load64(words + 48)), (t, o), dtype=np.float32))
+
+
+@numba.njit(**_KW)
+def a_rows(words, chunk):
+    """The first pass's chunk: TOKENS_PER_CHUNK tokens x ROWS_PER_CHUNK rows of A."""
+    x, a, _, _, slots, u, _ = _arrays(words)
+    row_blocks = (a.shape[1] + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    r0 = (chunk % row_blocks) * ROWS_PER_CHUNK
+    t0 = (chunk // row_blocks) * TOKENS_PER_CHUNK
+    a_block(x, a, slots, u, t0, min(x.shape[0], t0 + TOKENS_PER_CHUNK), r0, min(a.shape[1], r0 + ROWS_PER_CHUNK))
+
+
+@numba.njit(**_KW)
+def b_rows(words, chunk):
+    """The second pass's chunk: ROWS_PER_CHUNK output rows for every token."""
+    _, _, b, parts_p, slots, u, y = _arrays(words)
+    o0 = chunk * ROWS_PER_CHUNK
+    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + ROWS_PER_CHUNK))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -121,9 +137,19 @@ def _execute(frame):
     if dim(parts_d, 0) != o:
         parts_p = 0
     words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
-    token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
-    launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
-    launch(frame, words, (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _b_address(), True)
+    if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
+        a_block(carray(to_ptr(x_p), (t, n), dtype=np.float32), carray(to_ptr(a_p), (s_count, w, n), dtype=np.float32),
+                carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
+                0, t, 0, w)
+    else:
+        token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
+        launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
+    if t * o * rank <= SERIAL_MACS:
+        b_block(carray(to_ptr(b_p), (s_count, o, rank), dtype=np.float32), parts_p,
+                carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
+                carray(to_ptr(y_p), (t, o), dtype=np.float32), 0, o)
+    else:
+        launch(frame, words, (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _b_address(), True)
 
 
 @numba.cfunc(HANDLER, cache=True)
