@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_smoke_run_passes_every_part(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as a plain CPU host has
     run = subprocess.run([sys.executable, "benchmarks/device_check.py", "--smoke", "--out", str(tmp_path)],

@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, stdin=None, cache=None):
     return subprocess.run([sys.executable, "-m", "jaxllm.generate", *args,
@@ -32,6 +34,7 @@ def test_streams_an_answer_and_reports_counts(tmp_path):
     assert float(report[3]) > 0 and report[4] == "2"  # a fresh cache: the prompt's and the decode step's shapes
 
 
+@pytest.mark.slow
 def test_second_run_loads_its_steps_from_the_executable_cache(tmp_path):
     args = ("What is the capital of France?", "--max-tokens", "8", "--max-num-seqs", "2", "--max-num-batched-tokens",
             "64", "--max-model-len", "256")
@@ -52,6 +55,7 @@ def test_prompts_from_stdin_and_bad_options(tmp_path):
     assert bad.returncode == 2 and "temperature" in bad.stderr
 
 
+@pytest.mark.slow
 def test_structured_output_options(tmp_path):
     sizes = ("--max-num-seqs", "2", "--max-num-batched-tokens", "64", "--num-pages", "64", "--max-model-len", "256",
              "--max-tokens", "64")

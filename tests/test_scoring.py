@@ -25,6 +25,7 @@ def test_ranked_is_best_first_with_stable_ties():
     assert ranked([0.1, 0.9, 0.5], 2) == [(1, 0.9), (2, 0.5)]
 
 
+@pytest.mark.slow
 def test_an_embedding_model_scores_by_cosine(tiny_embedding_dir, compile_cache_dir):
     from sentence_transformers import SentenceTransformer
 

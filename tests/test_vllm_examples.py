@@ -145,6 +145,7 @@ def test_beam_search(llm):
 POOLING_OPTIONS = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, num_pages=128, max_model_len=256)
 
 
+@pytest.mark.slow
 def test_embed(tiny_embedding_dir, compile_cache_dir):
     model = tiny_embedding_dir("mean")  # a sentence-transformers model, as intfloat/e5-small in vLLM's example
     llm = LLM(model=str(model), runner="pooling", enforce_eager=True, compilation_cache_dir=compile_cache_dir,
@@ -164,6 +165,7 @@ def test_embed(tiny_embedding_dir, compile_cache_dir):
         np.testing.assert_array_equal(got.outputs.data, np.asarray(want.outputs.embedding, np.float32))
 
 
+@pytest.mark.slow
 def test_a_causal_model_as_an_embedder(tiny_folder, compile_cache_dir):
     """runner="pooling" (or vLLM's older task="embed") on a causal LM: its last token's final hidden state,
     normalized, as transformers computes it; it still generates."""
@@ -186,6 +188,7 @@ def test_a_causal_model_as_an_embedder(tiny_folder, compile_cache_dir):
         LLM(model=str(tiny_folder), task="embed", runner="generate")
 
 
+@pytest.mark.slow
 def test_classify_and_score(tiny_encoder_dir, compile_cache_dir):
     import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer

@@ -6,6 +6,7 @@ import pytest
 
 from jaxllm import LLM, PoolingParams, SamplingParams
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
+from tests.matrix import sampled
 from tests.tiny_models import TOKENIZER_CORPUS
 
 BUDGET = 128  # an encoder's input runs whole in one step: at most this many tokens
@@ -17,8 +18,8 @@ def _llm(folder, cache_dir) -> LLM:
     return LLM(str(folder), max_num_batched_tokens=BUDGET, max_num_seqs=8, compilation_cache_dir=cache_dir)
 
 
-@pytest.mark.parametrize("family", ["bert", "xlm-roberta"])
-@pytest.mark.parametrize("pooling", ["mean", "cls"])
+@pytest.mark.parametrize("family", sampled(["bert", "xlm-roberta"], lambda f: f == "bert"))
+@pytest.mark.parametrize("pooling", sampled(["mean", "cls"], lambda p: p == "cls"))
 def test_embeddings_match_sentence_transformers(tiny_encoder_dir, compile_cache_dir, family, pooling):
     from sentence_transformers import SentenceTransformer
 

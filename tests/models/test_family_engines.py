@@ -9,11 +9,13 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import compile_monitor
+from tests.matrix import sampled
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module", params=["phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.fixture(scope="module", params=sampled(["phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"],
+                                                lambda f: f in ("gemma2", "qwen3_moe")))
 def family(request, tiny_model_dir, compile_cache_dir):
     folder, hf_model = tiny_model_dir(request.param)
     llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=96,

@@ -21,6 +21,7 @@ def _nll(logits: np.ndarray, ids: list[int]) -> np.ndarray:
     return logz - logits[np.arange(len(ids) - 1), ids[1:]]
 
 
+@pytest.mark.slow
 def test_int8_activations_stay_close_to_float(monkeypatch):
     if not isa.available():
         pytest.skip(f"no integer path on this CPU ({isa.describe()})")

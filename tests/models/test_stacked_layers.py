@@ -16,6 +16,7 @@ from jaxllm.kernels import choose_kernels
 from jaxllm.models.layers import Linear
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.stacked_layers import LAYERS_AXIS, StackedLayers
+from tests.matrix import sampled
 from tests.paged_driver import PagedRunner, greedy_generate
 
 CFG = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
@@ -26,7 +27,7 @@ def _model(cfg=CFG, **kw) -> LlamaForCausalLM:
     return LlamaForCausalLM(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0), **kw)  # the same weights every time
 
 
-@pytest.mark.parametrize("attn_impl", ["cpu", "reference"])
+@pytest.mark.parametrize("attn_impl", sampled(["cpu", "reference"], lambda a: a == "cpu"))
 def test_stacked_layers_give_the_unrolled_outputs_and_cache(attn_impl):
     unrolled, stacked = _model(attn_impl=attn_impl), _model(attn_impl=attn_impl)
     assert stacked.stack_layers() and isinstance(stacked.layers, StackedLayers) and not unrolled.stacked
@@ -44,7 +45,8 @@ def test_stacked_layers_give_the_unrolled_outputs_and_cache(attn_impl):
         assert all(np.any(per_layer[:, layer]) for layer in range(CFG.num_layers))
 
 
-@pytest.mark.parametrize(("attn_impl", "matmul_impl"), [("cpu", "cpu"), ("reference", "reference")])
+@pytest.mark.parametrize(("attn_impl", "matmul_impl"), sampled([("cpu", "cpu"), ("reference", "reference")],
+                                                            lambda p: p == ("cpu", "cpu")))
 def test_stacked_layers_unrolled_give_the_scanned_outputs_and_cache(attn_impl, matmul_impl):
     """The GPU's layer loop (`Kernels.layer_loop`: static slices of the stacks, no scan), run here on CPU."""
     scanned = _model(attn_impl=attn_impl, matmul_impl=matmul_impl)
@@ -132,6 +134,7 @@ def test_the_layout_follows_the_layer_loop():
     assert not unrolled.stacked
 
 
+@pytest.mark.slow
 def test_the_engine_lays_out_a_model_it_is_given():
     from jaxllm import LLM, SamplingParams
 

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.server.conftest import API_KEY, Server, parse_metrics, serve_mode_fixtures
@@ -37,6 +38,7 @@ def stream_chat(url, i, max_tokens=24, headers=AUTH):
     return events, finish
 
 
+@pytest.mark.slow
 def test_64_concurrent_streams_interleave_and_health_stays_fast(server):
     poller = subprocess.Popen([sys.executable, "-m", "tests.server.health_poller", server.url],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
@@ -66,6 +68,7 @@ def test_64_concurrent_streams_interleave_and_health_stays_fast(server):
     assert p99 < 0.1 and lat[-1] < 2.0
 
 
+@pytest.mark.slow
 def test_metrics_hammered_by_8_clients_during_64_streams(server):
     """Scrapes read the snapshot the engine thread publishes between steps, never its live structures: 8 clients
     scraping as fast as they can during a 64-stream load see no error and consistent values."""
@@ -120,6 +123,7 @@ def test_disconnected_clients_free_their_pages_within_a_second(server):
     assert idle, m
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests(tmp_path, compile_cache_dir):
     srv = Server({"JAXLLM_MAX_NUM_SEQS": "1", "JAXLLM_MAX_NUM_BATCHED_TOKENS": "16",
                   "JAXLLM_MAX_WAITING_REQUESTS": "1", "JAXLLM_COMPILATION_CACHE_DIR": compile_cache_dir},

@@ -15,6 +15,8 @@ import requests
 from tests.engine.test_multihost import coordinator_port, multihost_env, start_follower
 from tests.server.conftest import API_KEY, Server
 
+pytestmark = pytest.mark.slow  # two hosts' processes (~50 s)
+
 
 @pytest.fixture(scope="module")
 def job(tiny_model_dir, compile_cache_dir, tmp_path_factory):

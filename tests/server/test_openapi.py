@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import requests
 
 from server.openapi import openapi_document
@@ -23,6 +24,7 @@ def test_document_is_generated_from_the_request_models(tiny_server):
     assert ref == {"$ref": "#/components/schemas/ChatCompletionRequest"}
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error_and_no_undocumented_response(tiny_server, tmp_path):
     har = tmp_path / "run.har"
     report = tmp_path / "run.json"

@@ -8,6 +8,7 @@ import pytest
 import requests
 
 from jaxllm import PoolingParams
+from tests.matrix import sampled
 from tests.server.conftest import API_KEY, SERVE_MODES, Server, tiny_engine_env
 from tests.tiny_models import TOKENIZER_CORPUS
 
@@ -20,7 +21,7 @@ def folder(tiny_embedding_dir):
     return tiny_embedding_dir("last")
 
 
-@pytest.fixture(scope="module", params=SERVE_MODES)
+@pytest.fixture(scope="module", params=sampled(SERVE_MODES, lambda m: m == "in-process"))
 def embed_server(request, folder, compile_cache_dir, tmp_path_factory):
     env = {"JAXLLM_API_KEY": API_KEY, **({"JAXLLM_API_SERVERS": "2"} if request.param != "in-process" else {})}
     srv = Server(env, tmp_path_factory.mktemp("embed_server") / "server.log",
@@ -114,6 +115,7 @@ def rerank_server(tiny_encoder_dir, compile_cache_dir, tmp_path_factory):
     srv.stop()
 
 
+@pytest.mark.slow
 def test_score_and_rerank_routes(rerank_server, tiny_encoder_dir):
     from sentence_transformers import CrossEncoder
 
@@ -149,6 +151,7 @@ def test_score_and_rerank_routes(rerank_server, tiny_encoder_dir):
     ("/v1/embeddings", {"input": "a text"}, "model"),
     ("/v1/completions", {"prompt": "a text", "max_tokens": 2}, "model"),
 ])
+@pytest.mark.slow
 def test_rerank_server_refuses_bad_input(rerank_server, path, body, param):
     r = requests.post(rerank_server.url + path, headers=HEADERS, json=body, timeout=60)
     assert r.status_code == 400, r.text

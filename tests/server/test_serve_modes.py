@@ -69,6 +69,7 @@ def _stream(srv: Server, i: int, log: dict) -> None:
         log[i]["error"] = type(e).__name__
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_api_worker(multi_api_server):
     srv = multi_api_server
     workers = srv.api_worker_pids()
@@ -98,6 +99,7 @@ def test_kill_9_of_one_api_worker(multi_api_server):
         assert all(pool.map(lambda p: greedy(srv, p), PROMPTS[:8]))
 
 
+@pytest.mark.slow
 def test_kill_9_of_the_engine_core(multi_api_server):
     """503 within a second (in-flight requests and /health); the master restarts the core and the workers
     reconnect."""
@@ -144,6 +146,7 @@ def headless_core(tmp_path_factory, compile_cache_dir):
     assert proc.wait(60) == 0, log.read_text()[-3000:]
 
 
+@pytest.mark.slow
 def test_headless_core_and_a_separate_api_server(headless_core, server, tmp_path):
     address, core_log = headless_core
     api = Server({"JAXLLM_API_KEY": API_KEY, "JAXLLM_ENGINE_ADDRESS": address,
@@ -188,6 +191,7 @@ def dp_server(tmp_path_factory, compile_cache_dir):
     assert srv.stop() == 0, log.read_text()[-3000:]
 
 
+@pytest.mark.slow
 def test_data_parallel_2_spreads_load_keeps_prefixes_together_and_matches_dp_1(dp_server, server):
     cores = [p for p in dp_server.worker_pids() if b"engine_core" in open(f"/proc/{p}/cmdline", "rb").read()]
     affinities = [os.sched_getaffinity(p) for p in cores]

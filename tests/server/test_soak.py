@@ -7,7 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.server.conftest import API_KEY, ROOT
+
+pytestmark = pytest.mark.slow  # 200 requests against a live server (~3 min)
 
 
 def test_soak_200_requests(server, tmp_path):

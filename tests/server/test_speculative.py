@@ -11,6 +11,8 @@ import requests
 from tests.engine.test_speculative import OPTIONS, SPEC
 from tests.server.conftest import API_KEY, Server
 
+pytestmark = pytest.mark.slow  # a server of its own (~1 min)
+
 
 @pytest.fixture(scope="module")
 def spec_server(tmp_path_factory, compile_cache_dir):

@@ -15,6 +15,7 @@ import pytest
 import requests
 from PIL import Image
 
+from tests.matrix import sampled
 from tests.server.conftest import API_KEY, SERVE_MODES, Server, tiny_engine_env
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
@@ -46,7 +47,7 @@ def _messages(*urls: str) -> list[dict]:
         {"type": "image_url", "image_url": {"url": u}} for u in urls]}]
 
 
-@pytest.fixture(scope="module", params=SERVE_MODES)
+@pytest.fixture(scope="module", params=sampled(SERVE_MODES, lambda m: m == "in-process"))
 def vl_server(request, tiny_vl_dir, compile_cache_dir, tmp_path_factory):
     env = {"JAXLLM_API_KEY": API_KEY, **({"JAXLLM_API_SERVERS": "2"} if request.param != "in-process" else {})}
     srv = Server(env, tmp_path_factory.mktemp("vl_server") / "server.log",
