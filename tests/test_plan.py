@@ -64,6 +64,7 @@ def _plan(*argv, **env):
                           env=environ, cwd=Path(__file__).resolve().parents[1], timeout=300)
 
 
+@pytest.mark.slow
 def test_plan_a_model_by_name(tiny_model_dir, tmp_path):
     """`jaxllm plan MODEL`: a folder, a hub id (only config.json is fetched), a bundled config by its hub name; a
     model that cannot be found is one line and exit status 2."""

@@ -44,6 +44,7 @@ def test_an_embedding_model_scores_by_cosine(tiny_embedding_dir, compile_cache_d
 TEMPLATE = "<|im_start|>user\nQuery: {query}\nDocument: {document}<|im_end|>\n<|im_start|>assistant\n"
 
 
+@pytest.mark.slow
 def test_a_decoder_reranker_scores_with_its_label_tokens(tiny_embedding_dir, compile_cache_dir):
     """Qwen3-Reranker style: the score is softmax over the logits of ("no", "yes")-like tokens at the last token
     of the templated pair, as transformers computes it."""

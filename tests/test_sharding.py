@@ -83,6 +83,7 @@ def test_int8_weights_under_tensor_parallel(tiny_model_dir):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
 def test_separate_layers_keep_their_split(tiny_model_dir):
     """The GPU's layout (the unrolled layer loop keeps the layers separate: `arrange_layers`) under tensor
@@ -122,7 +123,7 @@ def test_tensor_parallel_mixture_of_experts_matches_single_device(tiny_model_dir
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
-@pytest.mark.parametrize(("tp", "ep"), sampled([(1, 2), (1, 4), (2, 2)], lambda p: p == (2, 2)))
+@pytest.mark.parametrize(("tp", "ep"), sampled([(1, 2), (1, 4), (2, 2)], lambda p: False))
 def test_expert_parallel_matches_single_device(tp, ep, tiny_model_dir):
     """The experts split over `ep` groups of `tp` devices (each expert's rows over `tp` too), attention over `tp`."""
     folder, _ = tiny_model_dir("qwen3_moe")
@@ -147,6 +148,7 @@ def test_expert_parallel_needs_experts_it_divides(tiny_model_dir):
         load_model(tiny_model_dir("qwen3_moe")[0], dtype="float32", expert_parallel_size=3)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
 def test_an_expert_parallel_engine_generates_as_one_device(tiny_model_dir, compile_cache_dir):
     from jaxllm import LLM, SamplingParams

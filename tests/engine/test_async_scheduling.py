@@ -64,6 +64,7 @@ def _run(llm, monkeypatch=None, abort_at: int = 10):
     return results, ahead
 
 
+@pytest.mark.slow
 def test_outputs_equal_synchronous_steps(smollm2_llm, sync_llm, monkeypatch):
     want, _ = _run(sync_llm)
     before = compile_monitor.snapshot()

@@ -48,6 +48,7 @@ def transformers_greedy(smollm2_llm, smollm2_path):
     return prompts, refs
 
 
+@pytest.mark.slow
 def test_16_greedy_prompts_in_one_call_match_transformers(any_smollm2_llm, transformers_greedy):
     prompts, refs = transformers_greedy
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)

@@ -175,6 +175,7 @@ def test_the_base_model_through_a_lora_engine_is_the_plain_engines_bit_for_bit(s
     assert [mixed[0], mixed[2]] == [want[0], want[2]]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
 def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_cache_dir):
     """Tables split as their layers' weights (A by the input, B by the output): column- and row-parallel layers,
@@ -196,6 +197,7 @@ def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_c
     assert _run(llm, prompts, mix) == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
 
 
+@pytest.mark.slow
 def test_an_adapter_over_a_quantized_gguf_base(tiny_model_dir, tmp_path, compile_cache_dir):
     """The base's Q8_0 weights stay quantized; the adapter's term is added in float: greedy tokens within the
     quantization's rounding of transformers + peft over the float base."""

@@ -6,11 +6,14 @@ import json
 import numpy as np
 import pytest
 
+from tests.matrix import sampled
+
 IMAGE, START, END = 1000, 1002, 1003
 SIZES = [(112, 84), (60, 120)]
 
 
-@pytest.fixture(scope="module", params=["qwen2.5-vl nested", "qwen2.5-vl flat", "qwen3-vl"])
+@pytest.fixture(scope="module", params=sampled(["qwen2.5-vl nested", "qwen2.5-vl flat", "qwen3-vl"],
+                                                lambda f: f == "qwen3-vl"))
 def tiny_vl(request, tmp_path_factory):
     from tests.tiny_models import build_tiny_qwen2_5_vl
 
