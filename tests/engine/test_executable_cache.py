@@ -34,6 +34,8 @@ PROGRAM = """
 import sys
 import jax, jax.numpy as jnp
 from jaxllm.engine.executable_cache import ExecutableCache
+
+pytestmark = pytest.mark.slow  # engines built twice
 cache = ExecutableCache(sys.argv[1])
 x = jnp.arange(6.0).reshape(2, 3)
 compiled = cache.load("k")

@@ -9,6 +9,8 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.engine_loop import EngineLoop
 
+pytestmark = pytest.mark.slow  # an engine of its own
+
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dir, compile_cache_dir):

@@ -14,6 +14,8 @@ from jaxllm.engine.config import EngineConfig
 from jaxllm.models.llama import LlamaForCausalLM
 from tests.paged_driver import PagedRunner
 
+pytestmark = pytest.mark.slow  # SmolLM2 engines per cache type
+
 CFG = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
                   num_heads=4, num_kv_heads=2, head_dim=16)
 

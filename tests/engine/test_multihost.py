@@ -24,6 +24,8 @@ from jaxllm.engine.llm_engine import LLMEngine
 from server.settings import ServerSettings
 from tests.engine.test_multihost import greedy
 
+pytestmark = pytest.mark.slow  # processes over jax.distributed
+
 engine = LLMEngine(ServerSettings.from_env().engine)
 tokens = greedy(engine)
 print(json.dumps({"tokens": tokens, "read": engine.checkpoint_bytes_read, "channel": engine.step_channel_stats}))

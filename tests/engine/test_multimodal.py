@@ -11,6 +11,8 @@ from jaxllm.engine import compile_monitor
 from jaxllm.errors import InvalidRequestError
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
+pytestmark = pytest.mark.slow  # vision-language engines
+
 IMAGE = 1000
 BUDGET = 32  # tokens a step, and image tokens encoded a step: images of up to 32 tokens, prompts in chunks
 OPTIONS = dict(dtype="float32", max_num_batched_tokens=BUDGET, max_num_seqs=8, num_pages=160, page_size=8,

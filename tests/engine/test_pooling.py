@@ -11,6 +11,8 @@ from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from tests.tiny_models import TOKENIZER_CORPUS
 
+pytestmark = pytest.mark.slow  # embedding engines
+
 BUDGET = 64  # tokens a step: the longest inputs below take two or three chunks
 OPTIONS = dict(dtype="float32", max_num_batched_tokens=BUDGET, max_num_seqs=8, num_pages=256, max_model_len=256)
 TEXTS = [t * k for k in (1, 3, 8) for t in TOKENIZER_CORPUS[:4]]

@@ -12,6 +12,8 @@ from jaxllm import SamplingParams
 from jaxllm.loading import weight_bytes
 from tests.engine import test_engine_smollm2 as base
 
+pytestmark = pytest.mark.slow  # SmolLM2 engines per quantization
+
 TEXT = ("The water cycle describes how water moves between the oceans, the air and the land. Heat from the sun "
         "evaporates water from seas and lakes; the vapour rises, cools and condenses into clouds. When droplets "
         "grow heavy enough they fall as rain or snow, which feeds rivers, soaks into the ground as groundwater, "

@@ -10,6 +10,8 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine import compile_monitor
 from tests.conftest import ENGINE_OPTIONS
 
+pytestmark = pytest.mark.slow  # SmolLM2 engines with and without drafts
+
 OPTIONS = {**ENGINE_OPTIONS, "attn_impl": "auto", "quantization": "auto"}  # as smollm2_quantized_llm
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"

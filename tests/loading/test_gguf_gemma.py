@@ -15,7 +15,7 @@ from jaxllm.loading import load_model
 from tests.gguf_writer import write_gemma_gguf
 from tests.quantized_greedy import assert_greedy_within
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a GGUF family's engines
 
 
 def _scaled_by_head_dim(hf_model):

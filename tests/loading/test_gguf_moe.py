@@ -15,7 +15,7 @@ from jaxllm.loading import load_model
 from tests.gguf_writer import write_moe_gguf
 from tests.quantized_greedy import assert_greedy_within
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a GGUF family's engines
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_moe", "mixtral"])

@@ -12,7 +12,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.loading import LoadError, load_model
 from tests.gguf_writer import write_phi3_gguf
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.slow]  # a GGUF family's engines
 
 
 def test_f32_phi3_gguf_matches_transformers(tiny_model_dir, tmp_path):

@@ -18,6 +18,8 @@ import json, sys, time
 import jax.numpy as jnp, numpy as np
 import gguf.quants, orbax.checkpoint  # imports and backend start-up are not what is compared
 from jaxllm.loading import load_model
+
+pytestmark = pytest.mark.slow  # checkpoints saved and loaded
 jnp.zeros(1).block_until_ready()
 t = time.perf_counter(); load_model(None, dtype="float32"); gguf_s = time.perf_counter() - t
 t = time.perf_counter(); lm = load_model(sys.argv[1], dtype="float32"); restore_s = time.perf_counter() - t
