@@ -11,6 +11,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # tensor-parallel SmolLM2 engines
+
 TINY = dict(max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=128, page_size=4)
 
 
@@ -39,8 +41,6 @@ START = """
 import json, sys
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine import compile_monitor
-
-pytestmark = pytest.mark.slow  # tensor-parallel SmolLM2 engines
 # Default attention (the CPU kernel's custom call) and the KV cache sized from RAM, as a preset does: the
 # page count, a compiled shape, must come out the same in both processes.
 llm = LLM(dtype="float32", compilation_cache_dir=sys.argv[1], max_num_seqs=2, max_num_batched_tokens=4,

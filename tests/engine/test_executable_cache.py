@@ -11,6 +11,8 @@ import pytest
 
 from jaxllm.engine.executable_cache import ExecutableCache, step_key
 
+pytestmark = pytest.mark.slow  # engines built twice
+
 
 def test_key_follows_the_inputs_and_the_model():
     args = (jax.ShapeDtypeStruct((4, 8), jnp.float32), jnp.zeros(3, jnp.int32))
@@ -34,8 +36,6 @@ PROGRAM = """
 import sys
 import jax, jax.numpy as jnp
 from jaxllm.engine.executable_cache import ExecutableCache
-
-pytestmark = pytest.mark.slow  # engines built twice
 cache = ExecutableCache(sys.argv[1])
 x = jnp.arange(6.0).reshape(2, 3)
 compiled = cache.load("k")

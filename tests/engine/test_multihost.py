@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+pytestmark = pytest.mark.slow  # processes over jax.distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [p.tolist() for p in np.random.default_rng(0).integers(0, 1024, (16, 9))]
 NEW_TOKENS = 16
@@ -23,8 +25,6 @@ import json
 from jaxllm.engine.llm_engine import LLMEngine
 from server.settings import ServerSettings
 from tests.engine.test_multihost import greedy
-
-pytestmark = pytest.mark.slow  # processes over jax.distributed
 
 engine = LLMEngine(ServerSettings.from_env().engine)
 tokens = greedy(engine)

@@ -7,9 +7,12 @@ import time
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxllm.loading import load_model
 from jaxllm.loading.checkpoint import save_checkpoint
+
+pytestmark = pytest.mark.slow  # checkpoints saved and loaded, in new processes
 
 PROBE = [[1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198]]
 
@@ -18,8 +21,6 @@ import json, sys, time
 import jax.numpy as jnp, numpy as np
 import gguf.quants, orbax.checkpoint  # imports and backend start-up are not what is compared
 from jaxllm.loading import load_model
-
-pytestmark = pytest.mark.slow  # checkpoints saved and loaded
 jnp.zeros(1).block_until_ready()
 t = time.perf_counter(); load_model(None, dtype="float32"); gguf_s = time.perf_counter() - t
 t = time.perf_counter(); lm = load_model(sys.argv[1], dtype="float32"); restore_s = time.perf_counter() - t
