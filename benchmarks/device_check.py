@@ -13,7 +13,8 @@ Parts (each recorded even when another fails; the exit status is 1 if any check 
    device against the float32 CPU engine with the jnp kernels (run in a subprocess with JAX_PLATFORMS=cpu),
    greedy, the first diverging token per prompt;
 4. 8B roofline: a Llama-3.1-8B-shaped model with random bfloat16 weights (no download): decode tok/s at batch 1,
-   32, 128 and 256 (prompt 1024, 128 new tokens) and prefill tok/s, against the HBM-bandwidth (decode) and
+   32, 128 and 256 (prompt 1024, 128 new tokens; 8192 tokens a step, the llama-3.1-8b-h100 preset's budget and
+   vLLM's default on such a GPU) and prefill tok/s, against the HBM-bandwidth (decode) and
    FLOP (prefill) rooflines; and a device profile of decode steps at batch 1, 32 and 256 and of prefill steps
    (`device_profile.py`: time per kernel kind, idle gaps, the dearest kernels and their GB/s);
 5. the decode step's matmuls: the Pallas skinny matmul against XLA's GEMM (cuBLAS) at the 8B model's weight
@@ -94,7 +95,7 @@ def sizes(smoke: bool) -> Sizes:
                      {"rows": (1, 3), "rounds": 2, "interpret": jax.default_backend() != "gpu", "min_copy_bytes": 1})
     return Sizes(((64, 1024), (256, 2048)), tuple([(1, 1024)] * 32 + [(512, 512), (512, 1536)]), (32, 8, 128), 16,
                  len(PROMPTS), 64, bundled_model_config("meta-llama/Llama-3.1-8B-Instruct"), (1, 32, 128, 256),
-                 1024, 128, {"max_num_batched_tokens": 2048, "token_buckets": (1, 32, 128, 256, 1024, 2048)},
+                 1024, 128, {"max_num_batched_tokens": 8192, "token_buckets": (1, 32, 128, 256, 1024, 8192)},
                  {"max_num_batched_tokens": 1024, "token_buckets": (16, 1024)}, (1, 32, 256), {})
 
 
@@ -518,6 +519,9 @@ def main() -> None:
                    help="an XLA option the GPU step compiles with (replaces jaxllm.engine.step_options' value; "
                         "true/false for booleans): an A/B of the step's options")
     p.add_argument("--batches", help="part 4's decode batches, e.g. 1,32 (default: 1,32,128,256), each profiled")
+    p.add_argument("--attention-merge", choices=("kernel", "reference"), default="kernel",
+                   help="how the GPU attention merges its KV splits: its Pallas merge kernel, or XLA's reductions "
+                        "(an A/B)")
     p.add_argument("--matmul-impl", default="auto", help="part 4's matmul kernel (jaxllm.kernels: an A/B of "
                                                          "reference, XLA's GEMM, against the auto choice)")
     args = p.parse_args()
@@ -528,6 +532,9 @@ def main() -> None:
     for option in args.step_option:
         name, _, value = option.partition("=")
         step_options.GPU_OPTIONS[name] = {"true": True, "false": False}.get(value.lower(), value)
+    if args.attention_merge == "reference":
+        from pallas_kernels.ragged_paged_attention import gpu
+        gpu.merge_splits = gpu.merge_splits_reference
     s = sizes(args.smoke)
     if args.batches:
         batches = tuple(int(b) for b in args.batches.split(","))
@@ -537,6 +544,7 @@ def main() -> None:
     import flax
     report = {"backend": jax.default_backend(), "device": jax.devices()[0].device_kind, "smoke": args.smoke,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "step_options": step_options.GPU_OPTIONS,
+              "attention_merge": args.attention_merge, "matmul_impl": args.matmul_impl,
               "versions": {"jax": jax.__version__, "jaxlib": jax.lib.__version__, "flax": flax.__version__},
               "parts": {}}
     parts = {"1 kernel parity": lambda: part_parity(s),

@@ -4,7 +4,7 @@ The kernels cut the flat token batch into blocks of ``block_q`` tokens. A block 
 sequence, several whole decode sequences and the head of another; each kernel program walks only the
 sequences that intersect its block (``first_seq..last_seq``) and, for each, only the pages that hold
 positions its tokens may attend to. Everything here is cheap integer work done once per step, outside the
-kernel.
+kernel (XLA merges the layers' identical copies of it).
 """
 
 from __future__ import annotations

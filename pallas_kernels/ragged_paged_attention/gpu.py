@@ -85,7 +85,8 @@ def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
     `benchmarks/device_check.py`'s sweep)."""
     kind = "decode" if num_tokens <= num_seqs else "prefill"
     rows, tokens_per_iter, warps, stages = BLOCK_TABLE[table_key(kind, head_dim)]
-    block_q = max(1, rows // _pow2(group))
+    # a step of fewer tokens than a block holds: a block of them (no query block of padding tokens to slice off)
+    block_q = max(1, min(rows // _pow2(group), _pow2(num_tokens)))
     splits = 1
     programs = num_kv_heads * -(-num_seqs // block_q)
     if kind == "decode" and programs < 2 * sm_count:
@@ -248,16 +249,64 @@ def ragged_paged_attention(
         name="ragged_paged_attention_gpu",
     )(*ints, qk, k_cache, v_cache)
     if normalise:
-        out = outs[0]
-    else:  # merge the splits: rescale each partial to the common max, then normalise
-        acc, m, denom = outs
-        m_all = m.max(axis=0)
-        scale = jnp.exp(m - m_all)  # [splits, kv_heads, rows_total]
-        denom = (denom * scale).sum(axis=0)
-        out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    out = out.reshape(kvh, num_blocks, rows, d)[:, :, :real].reshape(kvh, t_pad, gp, d)
+        out = outs[0].reshape(kvh, num_blocks, rows, d)[:, :, :real].reshape(kvh, t_pad, gp, d)
+    else:
+        out = merge_splits(*outs, rows=rows, real=real, out_dtype=q.dtype, interpret=interpret)
+        out = out.reshape(kvh, t_pad, gp, d)
     out = out[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return out.astype(q.dtype)
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int):
+    # acc_ref [splits, rows, D], m_ref/l_ref [splits, rows] (one (KV head, query block)'s partials); o_ref
+    # [real, D]: the block's real rows (its first), the tile's padding rows dropped
+    rows, d = o_ref.shape
+    real = pl.ds(0, rows)
+    m_all = jax.lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, m_ref[s, real]), m_ref[0, real])
+
+    def add(s, carry):
+        denom, acc = carry
+        scale = jnp.exp(m_ref[s, real] - m_all)
+        return denom + l_ref[s, real] * scale, acc + acc_ref[s, real, :] * scale[:, None]
+
+    denom, acc = jax.lax.fori_loop(0, splits, add, (jnp.zeros((rows,), jnp.float32),
+                                                    jnp.zeros((rows, d), jnp.float32)))
+    o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def merge_splits_reference(acc: jax.Array, m: jax.Array, denom: jax.Array, *, rows: int, real: int, out_dtype,
+                           interpret: bool = False) -> jax.Array:
+    """`merge_splits` in jnp (XLA's reductions)."""
+    del interpret
+    splits, kvh, total, d = acc.shape
+    m_all = m.max(axis=0)
+    scale = jnp.exp(m - m_all)  # [splits, kv_heads, blocks * rows]
+    denom = (denom * scale).sum(axis=0)
+    out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out.reshape(kvh, total // rows, rows, d)[:, :, :real].reshape(kvh, -1, d).astype(out_dtype)
+
+
+def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, *, rows: int, real: int, out_dtype,
+                 interpret: bool = False) -> jax.Array:
+    """The flash-decoding merge of the splits' partials (acc [splits, kv_heads, blocks * rows, D] unnormalised, m and
+    denom [splits, kv_heads, blocks * rows]; each block's first `real` rows are queries): each rescaled to the
+    common max, summed in split order, normalised; -> [kv_heads, blocks * real, D]. One program per (KV head,
+    query block): one launch where XLA made three reductions and a slice, launches that cost a decode step of a few
+    rows about as much as their bytes do."""
+    splits, kvh, total, d = acc.shape
+    blocks = total // rows
+    part = pl.BlockSpec((splits, None, rows, d), lambda hh, bb: (0, hh, bb, 0))
+    stat = pl.BlockSpec((splits, None, rows), lambda hh, bb: (0, hh, bb))
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, splits=splits),
+        grid=(kvh, blocks),
+        in_specs=[part, stat, stat],
+        out_specs=pl.BlockSpec((None, real, d), lambda hh, bb: (hh, bb, 0)),
+        out_shape=jax.ShapeDtypeStruct((kvh, blocks * real, d), out_dtype),
+        compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="ragged_paged_attention_gpu_merge",
+    )(acc, m, denom)
 
 
 def pages_walked(query_lens: list[int], kv_lens: list[int], *, num_tokens: int, num_seqs: int, num_kv_heads: int,

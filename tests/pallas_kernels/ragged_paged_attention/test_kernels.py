@@ -100,13 +100,17 @@ def test_gpu_long_decode_spreads_over_every_split():
 
 
 def test_gpu_block_sizes_come_from_the_table():
-    """Decode shapes take the decode row (a tile of 16 rows: the group's heads of 16 / group tokens) and enough
+    """Decode shapes take the decode row (a tile of 16 rows: the group's heads of 16 / group tokens, or of the step's
+    tokens when it has fewer) and enough
     splits, when the grid has fewer than 2 programs per SM, for ~8; prefill and mixed shapes the prefill row
     (128-row tiles), one split."""
     llama8b = dict(num_kv_heads=8, group=4, head_dim=128, page_size=16, max_pages=2048)
     rows, per_iter, warps, stages = gpu.BLOCK_TABLE[("decode", 128)]
+    sixteen = gpu.block_sizes(16, 16, **llama8b)
+    assert (sixteen.block_q * 4, sixteen.tokens_per_iter, sixteen.num_warps, sixteen.num_stages) == (
+        rows, per_iter, warps, stages)
     one = gpu.block_sizes(1, 1, **llama8b)
-    assert (one.block_q * 4, one.tokens_per_iter, one.num_warps, one.num_stages) == (rows, per_iter, warps, stages)
+    assert one.block_q == 1  # a block of the step's one token (its 4 rows padded to the tile), not of padding
     assert one.num_splits == 32  # 8 programs: 132 wanted, capped at 32
     assert gpu.block_sizes(32, 32, **llama8b).num_splits == 17  # 64 programs
     assert gpu.block_sizes(64, 64, **dict(llama8b, max_pages=32)).num_splits == 8  # 128 programs; 8 iterations
@@ -203,3 +207,23 @@ def test_a_runtime_window_lowers_for_its_platform(platform, kernel, marker):
     exported = export.export(fn, platforms=[platform],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(marker)])(*args)
     assert marker in exported.mlir_module()
+
+
+@pytest.mark.parametrize(("splits", "rows", "real"), [(1, 16, 16), (3, 16, 4), (32, 16, 16), (5, 32, 8)])
+def test_gpu_merge_kernel_matches_its_reference(splits, rows, real):
+    """The flash-decoding merge: random partials, some splits empty (no key reached them: max at MASK_VALUE, sum
+    0) and a row no split reached (its output 0)."""
+    rng = np.random.default_rng(splits * rows + real)
+    kvh, blocks, d = 2, 3, 64
+    acc = rng.standard_normal((splits, kvh, blocks * rows, d)).astype(np.float32)
+    m = rng.standard_normal((splits, kvh, blocks * rows)).astype(np.float32)
+    denom = rng.uniform(0.5, 4.0, (splits, kvh, blocks * rows)).astype(np.float32)
+    empty = rng.random((splits, kvh, blocks * rows)) < 0.3
+    empty[:, 0, 1] = True
+    m[empty], denom[empty], acc[empty] = reference.MASK_VALUE, 0.0, 0.0
+    args = [jnp.asarray(x) for x in (acc, m, denom)]
+    want = gpu.merge_splits_reference(*args, rows=rows, real=real, out_dtype=jnp.float32)
+    got = gpu.merge_splits(*args, rows=rows, real=real, out_dtype=jnp.float32, interpret=True)
+    assert got.shape == (kvh, blocks * real, d)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[0, 1] == 0)
