@@ -132,13 +132,20 @@ def part_parity(s: Sizes) -> dict:
     return {"ok": ok, "rows": rows}
 
 
+CALLS = 10  # calls queued back to back per timed round: each call's host dispatch overlaps the one before, so a
+# round times the device's work (at ~1 ms a call, a lone call's ~40 us of Python dispatch was ~4% of its time)
+
+
 def _timed(fn, *args, rounds: int = 10) -> float:
+    """Median seconds per call over `rounds` rounds of CALLS calls."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(CALLS):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / CALLS)
     return float(np.median(times))
 
 
@@ -150,10 +157,33 @@ def _timed_in_place(fn, q, new, k, v, *rest, rounds: int = 10) -> tuple[float, t
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        out, k, v = fn(q, new, k, v, *rest)
+        for _ in range(CALLS):
+            out, k, v = fn(q, new, k, v, *rest)
         jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / CALLS)
     return float(np.median(times)), (k, v)
+
+
+def _interleaved(trials: dict, rounds: int = 7) -> dict:
+    """{name: (fn, args)} -> {name: median seconds per call, or the error that compiling or running it raised}.
+    Every trial is compiled and run once first, then timed in rounds that take each trial in turn (A B C A B C
+    ...), so that the device's clocks and any drift fall on all of them alike; a round is CALLS calls."""
+    out, times = {}, {}
+    for name, (fn, args) in trials.items():
+        try:
+            jax.block_until_ready(fn(*args))
+            times[name] = []
+        except Exception as e:  # noqa: BLE001 (a variant the compiler rejects is recorded, not fatal)
+            out[name] = e
+    for _ in range(rounds):
+        for name in times:
+            fn, args = trials[name]
+            start = time.perf_counter()
+            for _ in range(CALLS):
+                result = fn(*args)
+            jax.block_until_ready(result)
+            times[name].append((time.perf_counter() - start) / CALLS)
+    return out | {name: float(np.median(t)) for name, t in times.items()}
 
 
 def part_attention_speed(s: Sizes, device: Device | None) -> dict:
@@ -184,10 +214,25 @@ def part_attention_speed(s: Sizes, device: Device | None) -> dict:
 def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: bool = False) -> list[dict]:
     """The GPU kernel's decode block sizes tried on the decode shapes (`batches`: part 2's, by case name): the
     table's choice and its neighbours (KV splits on the smaller batch; tokens per iteration, warps and pipeline
-    stages on the larger), each timed like part 2's rows."""
+    stages on the larger; larger pages), all of a shape timed interleaved (`_interleaved`)."""
     from pallas_kernels.ragged_paged_attention import gpu
     rows = []
     h, kvh, d = s.heads
+
+    def attend(sizes):
+        return jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes, interpret=interpret))
+
+    def record(case, trials, bases, n, ctx):
+        kv_bytes = n * ctx * 2 * kvh * d * 2
+        for (label, sizes), sec in _interleaved(trials).items():
+            if isinstance(sec, Exception):
+                rows.append({"case": label, **dataclasses.asdict(sizes), "error": str(sec)[:200]})
+                continue
+            gbs = kv_bytes / sec / 1e9
+            rows.append({"case": label, **dataclasses.asdict(sizes), "table": sizes in bases and label == case,
+                         "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
+                         "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
+
     for i, (n, ctx) in enumerate(s.decode_shapes):
         q, _, k, v, meta = batches[f"decode {n} x {ctx}"]
         max_pages = meta.block_tables.shape[1]
@@ -200,38 +245,22 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
                         for bq in (1, 2, 4) for t in (64, 128) for st in (2, 3)}
             variants |= {dataclasses.replace(base, block_q=1, tokens_per_iter=64, num_warps=2)}
         variants.add(base)
-        kv_bytes = n * ctx * 2 * kvh * d * 2
-        for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b))):
-            fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes,
-                                           interpret=interpret))
-            try:
-                sec = _timed(fn, q, k, v, meta.kv_lens, meta.block_tables, meta.query_start_loc)
-            except Exception as e:  # noqa: BLE001 (a variant the compiler rejects is recorded, not fatal)
-                rows.append({"case": f"{n} x {ctx}", **dataclasses.asdict(sizes), "error": str(e)[:200]})
-                continue
-            gbs = kv_bytes / sec / 1e9
-            rows.append({"case": f"{n} x {ctx}", **dataclasses.asdict(sizes), "table": sizes == base,
-                         "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
-                         "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
-    # larger pages at the largest shape (the engine's GPU page is 16 tokens): each page of a head one longer
-    # contiguous load
-    n, ctx = s.decode_shapes[-1]
-    for page_size in (2 * s.page_size, 4 * s.page_size):
-        q, _, k, v, meta = random_paged_batch([(1, ctx)] * n, s.heads, page_size, jnp.bfloat16)
-        base = gpu.block_sizes(n, n, kvh, h // kvh, d, page_size, meta.block_tables.shape[1])
-        for sizes in {base, dataclasses.replace(base, tokens_per_iter=max(base.tokens_per_iter, 2 * page_size))}:
-            fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes,
-                                           interpret=interpret))
-            try:
-                sec = _timed(fn, q, k, v, meta.kv_lens, meta.block_tables, meta.query_start_loc)
-            except Exception as e:  # noqa: BLE001 (recorded, not fatal)
-                rows.append({"case": f"{n} x {ctx}, {page_size}-token pages", "error": str(e)[:200]})
-                continue
-            gbs = n * ctx * 2 * kvh * d * 2 / sec / 1e9
-            rows.append({"case": f"{n} x {ctx}, {page_size}-token pages", **dataclasses.asdict(sizes),
-                         "table": False, "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
-                         "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
-        del q, k, v
+        case = f"{n} x {ctx}"
+        args = (q, k, v, meta.kv_lens, meta.block_tables, meta.query_start_loc)
+        trials = {(case, sizes): (attend(sizes), args)
+                  for sizes in sorted(variants, key=lambda b: (b != base, dataclasses.astuple(b)))}
+        if i == len(s.decode_shapes) - 1:
+            # larger pages at the largest shape (the engine's GPU page is 16 tokens): each page of a head one longer
+            # contiguous load
+            for page_size in (2 * s.page_size, 4 * s.page_size):
+                qp, _, kp, vp, mp = random_paged_batch([(1, ctx)] * n, s.heads, page_size, jnp.bfloat16)
+                pbase = gpu.block_sizes(n, n, kvh, h // kvh, d, page_size, mp.block_tables.shape[1])
+                for sizes in {pbase, dataclasses.replace(pbase, tokens_per_iter=max(pbase.tokens_per_iter,
+                                                                                    2 * page_size))}:
+                    trials[(f"{case}, {page_size}-token pages", sizes)] = (
+                        attend(sizes), (qp, kp, vp, mp.kv_lens, mp.block_tables, mp.query_start_loc))
+        record(case, trials, {base}, n, ctx)
+        trials.clear()
     return rows
 
 
