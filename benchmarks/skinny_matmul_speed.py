@@ -4,8 +4,9 @@ kernel's block sizes at one row. Part 5 of `device_check.py` (which passes the m
 
     python benchmarks/skinny_matmul_speed.py [--smoke]      # on a GPU host; --smoke: tiny shapes, interpreted
 
-Each timed call runs one matmul per copy of the weight (enough copies for 256 MB or more, so that the L2 cache
-never holds the next copy's weight) and counts each copy's weight bytes once.
+Each timed call runs one matmul per copy of the weight (enough copies for 1 GB or more, so that the L2 cache never
+holds the next copy's weight and the device's time hides the host's), calls queued back to back, and counts each
+copy's weight bytes once.
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ from jaxllm.config import ModelConfig
 from pallas_kernels.skinny_matmul import gpu
 from pallas_kernels.skinny_matmul.reference import matmul as xla_matmul
 
-MIN_COPY_BYTES = 256 << 20
+MIN_COPY_BYTES = 1 << 30
+# Calls queued per timed round: a call's host dispatch and the wait for it (~0.3 ms on an H100 host) overlap the
+# calls before it. Timed one call at a time with 256 MB of copies, that overhead was most of a small weight's time
+# (q/k/v: 54 us a matmul, against ~20 us inside the engine's step).
+CALLS = 5
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -39,15 +44,18 @@ def _weights(n: int, k: int, copies: int) -> list[jax.Array]:
     return [make(key) for key in jax.random.split(jax.random.key(n * 31 + k), copies)]
 
 
-def _time(fn, x, ws, rounds: int) -> float:
-    """Seconds per matmul: the median call over `rounds`, divided by the copies it runs."""
+def _time(fn, x, ws, rounds: int, calls: int = CALLS) -> float:
+    """Seconds per matmul: the median round over `rounds` (a round: `calls` calls queued back to back, one wait),
+    divided by the calls and the copies each runs."""
     jax.block_until_ready(fn(x, ws))
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        jax.block_until_ready(fn(x, ws))
+        for _ in range(calls):
+            out = fn(x, ws)
+        jax.block_until_ready(out)
         times.append(time.perf_counter() - start)
-    return float(np.median(times)) / len(ws)
+    return float(np.median(times)) / calls / len(ws)
 
 
 def variants(base: gpu.BlockSizes, n: int, k: int) -> list[gpu.BlockSizes]:
