@@ -52,12 +52,11 @@ class BlockSizes:
 # of fewer than MIN_ROWS is padded to MIN_ROWS). Decode: a program per (KV head, block of block_q sequences) with
 # MIN_ROWS rows (block_q = MIN_ROWS / group tokens); prefill and mixed steps: 128-row tiles of query
 # blocks x 64-token blocks of pages. num_splits is set by `block_sizes`. On an H100 (bf16 cache, head_dim 128,
-# 256 sequences x 2048 tokens; `benchmarks/device_check.py`'s sweep) the decode row, 4 sequences a program, 64
-# tokens an iteration, 3 pipeline stages, ran 1.14 ms (56% of HBM bandwidth), the fastest of 16 rows (the previous
-# row, 128 tokens in 2 stages: 1.21 ms); in the next run's sweep the 64-token rows were again the fastest six
-# (1.06-1.17 ms; this row 1.12 ms), though their order moves between machines (1 sequence, 2 stages: 1.06 ms
-# there, 1.55 ms in an earlier sweep). Loading an iteration's pages as one gathered [tokens, head_dim] tile, one
-# dot each for QK and PV, was slower in every shape tried (1.22-1.52 ms).
+# 256 sequences x 2048 tokens; `benchmarks/device_check.py`'s sweep, calls queued and rows interleaved) the decode
+# row, 4 sequences a program, 64 tokens an iteration, 3 pipeline stages, ran 0.82 ms (78% of HBM bandwidth); every
+# row of 64 tokens an iteration (1-4 sequences, 2-3 stages, 2-4 warps) within 2% of it, 4 sequences x 128 tokens
+# 14-18% slower. Loading an iteration's pages as one gathered [tokens, head_dim] tile, one dot each for QK and PV,
+# was slower in every shape tried (by 10-35%, timed one call at a time).
 BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
     ("decode", 64): (MIN_ROWS, 128, 4, 2),
     ("decode", 128): (MIN_ROWS, 64, 4, 3),
