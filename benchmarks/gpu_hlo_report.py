@@ -130,8 +130,8 @@ def analyze_bucket(runner, cfg, mesh, bucket, context: int, prompt_len: int) -> 
     attention_kv = walked * kvh * 2 * page_bytes  # per layer: K and V pages walked by every KV head's programs
 
     def custom_bytes(ins, comp):
-        if "ragged_paged_attention" not in ins.attrs:
-            return None
+        if "ragged_paged_attention" not in ins.attrs or "ragged_paged_attention_gpu_merge" in ins.attrs:
+            return None  # the splits' merge reads its operands, the partials, like any kernel
         others = [comp.by_name[o].bytes for o in ins.operands if comp.by_name[o].bytes != cache_bytes]
         return sum(others) + attention_kv
 
