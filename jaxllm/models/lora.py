@@ -2,9 +2,11 @@
 token the adapter of its slot, ``y = x W^T + (x A_s^T) B_s^T`` (the adapter's scale folded into B), for a ragged
 batch where neighbouring tokens may use different adapters.
 
-A table is ``a [slots, parts * rank, in]`` and ``b [slots, out, rank]``: a fused projection (q/k/v, gate/up)
-holds its parts' ranks side by side in A, and each of its output rows (in the fused layout) holds the B row of the
-part it belongs to (`row_parts`; `jaxllm.lora.layout` packs them): no block of zeros is stored or read. Slot -1
+A table is ``a [slots, parts * rank, in]`` and ``b [slots, rank, out]`` (B transposed: a rank's weights for every
+output row contiguous, so that a kernel sums the rank's terms into whole output rows at once): a fused projection
+(q/k/v, gate/up) holds its parts' ranks side by side in A, and each of its output columns of B (in the fused
+layout) holds the B row of the part it belongs to (`row_parts`; `jaxllm.lora.layout` packs them): no block of
+zeros is stored or read. Slot -1
 is "no adapter". The engine writes adapters into slots between steps (same shapes: nothing recompiles); the step
 gets each token's slot ([T] int32).
 
@@ -84,7 +86,7 @@ def enable(model, max_loras: int, max_rank: int) -> None:
             width = len(parts) * max_rank
             a_spec, b_spec = _table_specs(module.weight.get_value())
             module.lora_a = LoRATable(_zeros((max_loras, width, inp), model.dtype, a_spec))
-            module.lora_b = LoRATable(_zeros((max_loras, out, max_rank), model.dtype, b_spec))
+            module.lora_b = LoRATable(_zeros((max_loras, max_rank, out), model.dtype, b_spec))
             module.lora_rank = max_rank
             module.lora_fused = fused_layout(cfg, linear)
     if stacked:
@@ -115,7 +117,7 @@ def row_parts(fused: tuple[int, ...] | None) -> np.ndarray | None:
 
 def _table_specs(weight: jax.Array) -> tuple[NamedSharding | None, NamedSharding | None]:
     """The tables' shardings under tensor parallelism (None: one device): A [S, R, in] split as the weight's input
-    axis, B [S, out, R] as its output axis, so that each device's share of the adapter term is the share of the
+    axis, B [S, R, out] as its output axis, so that each device's share of the adapter term is the share of the
     output it computes (a row-parallel layer's partial x A^T is summed by GSPMD, as its base product is)."""
     sharding = getattr(weight, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh.size == 1:
@@ -124,7 +126,7 @@ def _table_specs(weight: jax.Array) -> tuple[NamedSharding | None, NamedSharding
     out_axis, in_axis = spec  # (packed 4-bit rows [out, in / 2] split as their input is: by whole blocks)
     mesh = sharding.mesh
     return (NamedSharding(mesh, PartitionSpec(None, None, in_axis)),
-            NamedSharding(mesh, PartitionSpec(None, out_axis, None)))
+            NamedSharding(mesh, PartitionSpec(None, None, out_axis)))
 
 
 def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax.Array:
@@ -135,13 +137,13 @@ def _zeros(shape: tuple[int, ...], dtype, sharding: NamedSharding | None) -> jax
 
 def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = None, matmul: str = "reference"
           ) -> jax.Array:
-    """x [T, in], a [S, P * R, in], b [S, out, R] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
+    """x [T, in], a [S, P * R, in], b [S, R, out] (or a scanned layer's `LayerSlice` of them), slots [T] int32 (-1:
     none) -> [T, out]: each row's adapter term. fused: the layer's `fused_layout` (P parts), None for one part;
     matmul: the layer's matmul implementation (``cpu``: the CPU kernel of `pallas_kernels.lora_delta` for the
     steps it takes)."""
     p = dot_precision(x)
     parts = row_parts(fused)
-    rank = b.shape[-1]
+    rank = b.shape[-2]
     (a_stack, layer), (b_stack, _) = _stack(a), _stack(b)
     if matmul == "cpu" and lora_cpu.applies(x, a_stack, b_stack):  # the tables read in place
         return lora_cpu.lora_delta(x, a_stack, b_stack, layer, slots, parts)
@@ -151,11 +153,11 @@ def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = 
     u = jnp.einsum("ti,sri->tsr", x, a.astype(x.dtype), precision=p)  # [T, S, P * R]
     mine = slots[:, None] == jnp.arange(a.shape[0], dtype=slots.dtype)  # [T, S]
     u = jnp.where(mine[:, :, None], u, jnp.zeros_like(u))
-    if parts is not None:  # B block-diagonal again, for one product over every slot: [S, out, P * R]
+    if parts is not None:  # B block-diagonal again, for one product over every slot: [S, P * R, out]
         width = u.shape[-1]
-        own = parts[:, None] == np.arange(width) // rank  # [out, P * R]
-        b = jnp.where(own[None], jnp.tile(b, (1, 1, width // rank)), jnp.zeros((), b.dtype))
-    return jnp.einsum("tsr,sor->to", u, b.astype(x.dtype), precision=p)
+        own = np.arange(width)[:, None] // rank == parts[None, :]  # [P * R, out]
+        b = jnp.where(own[None], jnp.tile(b, (1, width // rank, 1)), jnp.zeros((), b.dtype))
+    return jnp.einsum("tsr,sro->to", u, b.astype(x.dtype), precision=p)
 
 
 def _stack(table) -> tuple[jax.Array, jax.Array | int]:

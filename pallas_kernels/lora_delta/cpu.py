@@ -32,11 +32,11 @@ def applies(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots: jax.Array,
                parts: np.ndarray | None) -> jax.Array:
-    """As `reference.lora_delta`: x [T, in], a [L, S, P * R, in], b [L, S, out, R], layer [], slots [T] -> [T, out]."""
+    """As `reference.lora_delta`: x [T, in], a [L, S, P * R, in], b [L, S, R, out], layer [], slots [T] -> [T, out]."""
     if not applies(x, a, b):
         return reference_delta(x, a, b, layer, slots, parts)
     register()
-    t, out, width = x.shape[0], b.shape[2], a.shape[2]
+    t, out, width = x.shape[0], b.shape[3], a.shape[2]
     rows = np.zeros(1, np.int32) if parts is None else np.asarray(parts, np.int32)
     y, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((t, out), jnp.float32),
                                      jax.ShapeDtypeStruct((t, width), jnp.float32)))(

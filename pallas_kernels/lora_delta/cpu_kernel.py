@@ -1,8 +1,12 @@
 """The CPU adapter-term kernel: two passes over XLA's thread pool, each reading the tables in place (no gathered
 copies). First ``u[t] = A[layer, s_t] x[t]`` by blocks of A's rows (every token of the step against the rows of its
-own slot: tokens that share an adapter read its rows from cache), then ``y[t, o] = B[layer, s_t, o] . u[t, part(o)]``
-by blocks of output rows. A token without an adapter gets exact zeros. Each element is one fixed-order dot product
-of its own token's values, so a token's result does not depend on the others or on the thread split."""
+own slot: tokens that share an adapter read its rows from cache); then, by blocks of output columns,
+``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]``: with B stored transposed ([R, out]) each rank's term
+is one multiply-add over a block's contiguous outputs (a vector loop; a block holding several parts of a fused
+layer, as gate/up's alternating rows do, sums each part over the block and keeps each output's own). Summed as
+16-long dots per (token, output) instead, the pass ran at ~1 GMAC/s. A token without an adapter gets exact zeros.
+Each element's sums run in a fixed order over its own token's values, so a token's result does not depend on the
+others or on the thread split."""
 
 from __future__ import annotations
 
@@ -29,7 +33,9 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 )
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
-ROWS_PER_CHUNK = 16
+ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
+COLS_PER_CHUNK = 64  # the second pass's outputs per chunk: a multiple of 64, so that a chunk of q/k/v (whose
+# parts run a head_dim of 64 or more each) holds one part
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
@@ -53,19 +59,36 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 
 @numba.njit(**_KW)
 def b_block(b, parts_p, slots, u, y, o0, o1):
-    """y[:, o0:o1]: each output row's B row of the token's slot against its part's columns of u."""
-    rank = b.shape[2]
+    """y[:, o0:o1]: for each token, each part among these outputs summed over the rank into a block of outputs.
+    (The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
+    test per element, and the loop is no longer vectorized: 4x slower.)"""
+    n_slots, rank = b.shape[0], b.shape[1]
+    n = o1 - o0
+    part = np.zeros(n, np.int32)
+    if parts_p != 0:
+        for o in range(n):
+            part[o] = load32(parts_p + 4 * (o0 + o))
+    first, last = part.min(), part.max()
+    acc = np.empty(n, np.float32)
     for tok in range(y.shape[0]):
         s = slots[tok]
-        for row in range(o0, o1):
-            if s < 0 or s >= b.shape[0]:
-                y[tok, row] = np.float32(0.0)
-                continue
-            base = 0 if parts_p == 0 else np.int64(load32(parts_p + 4 * row)) * rank
-            acc = np.float32(0.0)
+        row = y[tok, o0:o1]
+        if s < 0 or s >= n_slots:
+            row[:] = np.float32(0.0)
+            continue
+        for p in range(first, last + 1):
+            acc[:] = np.float32(0.0)
             for r in range(rank):
-                acc += b[s, row, r] * u[tok, base + r]
-            y[tok, row] = acc
+                coef = u[tok, p * rank + r]
+                bt = b[s, r, o0:o1]
+                for o in range(n):
+                    acc[o] += coef * bt[o]
+            if first == last:
+                row[:] = acc
+            else:
+                for o in range(n):
+                    if part[o] == p:
+                        row[o] = acc[o]
 
 
 @numba.njit(inline="always", **_KW)
@@ -75,7 +98,7 @@ def _arrays(words):
                                  load64(words + 88), load64(words + 96))
     return (carray(to_ptr(load64(words)), (t, n), dtype=np.float32),
             carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32),
-            carray(to_ptr(load64(words + 16)), (s_count, o, rank), dtype=np.float32),
+            carray(to_ptr(load64(words + 16)), (s_count, rank, o), dtype=np.float32),
             load64(words + 24),
             carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32),
             carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32),
@@ -94,10 +117,10 @@ def a_rows(words, chunk):
 
 @numba.njit(**_KW)
 def b_rows(words, chunk):
-    """The second pass's chunk: ROWS_PER_CHUNK output rows for every token."""
+    """The second pass's chunk: COLS_PER_CHUNK outputs for every token."""
     _, _, b, parts_p, slots, u, y = _arrays(words)
-    o0 = chunk * ROWS_PER_CHUNK
-    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + ROWS_PER_CHUNK))
+    o0 = chunk * COLS_PER_CHUNK
+    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + COLS_PER_CHUNK))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -118,7 +141,7 @@ _b_address = symbol("jaxllm_cpu_lora_b_chunk", True)
 
 @numba.njit(**_KW)
 def _execute(frame):
-    """The FFI call: inputs (x [T, in], a [L, S, P * R, in], b [L, S, out, R], layer [] int32, slots [T] int32,
+    """The FFI call: inputs (x [T, in], a [L, S, P * R, in], b [L, S, R, out], layer [] int32, slots [T] int32,
     parts [out] int32, or [1]: not fused); outputs y [T, out], u [T, P * R] (scratch). The layer index is clamped
     into range, as XLA clamps a dynamic slice's; a slot past the table is treated as none."""
     x_p, x_d = buffer(frame, 0)
@@ -130,7 +153,7 @@ def _execute(frame):
     y_p, _ = buffer(frame, 0, True)
     u_p, _ = buffer(frame, 1, True)
     t, n = dim(x_d, 0), dim(x_d, 1)
-    s_count, w, o, rank = dim(a_d, 1), dim(a_d, 2), dim(b_d, 2), dim(b_d, 3)
+    s_count, w, rank, o = dim(a_d, 1), dim(a_d, 2), dim(b_d, 2), dim(b_d, 3)
     layer = min(max(np.int64(load32(layer_p)), 0), dim(a_d, 0) - 1)
     a_p += layer * s_count * w * n * 4  # float32
     b_p += layer * s_count * o * rank * 4
@@ -145,11 +168,12 @@ def _execute(frame):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
     if t * o * rank <= SERIAL_MACS:
-        b_block(carray(to_ptr(b_p), (s_count, o, rank), dtype=np.float32), parts_p,
-                carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
-                carray(to_ptr(y_p), (t, o), dtype=np.float32), 0, o)
+        for o0 in range(0, o, COLS_PER_CHUNK):
+            b_block(carray(to_ptr(b_p), (s_count, rank, o), dtype=np.float32), parts_p,
+                    carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
+                    carray(to_ptr(y_p), (t, o), dtype=np.float32), o0, min(o, o0 + COLS_PER_CHUNK))
     else:
-        launch(frame, words, (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, _b_address(), True)
+        launch(frame, words, (o + COLS_PER_CHUNK - 1) // COLS_PER_CHUNK, _b_address(), True)
 
 
 @numba.cfunc(HANDLER, cache=True)

@@ -1,4 +1,4 @@
-"""The adapter term with each token's own slot gathered: x [T, in], a [L, S, P * R, in], b [L, S, out, R] (a layer
+"""The adapter term with each token's own slot gathered: x [T, in], a [L, S, P * R, in], b [L, S, R, out] (a layer
 stack: layer `layer` is read), slots [T] int32 (-1: no adapter), parts [out] int32 or None: the part of a fused
 layer each output row belongs to (its B row multiplies that part's R columns of ``x A^T``)."""
 
@@ -20,12 +20,12 @@ def _take(stack: jax.Array, layer: jax.Array, slots: jax.Array) -> jax.Array:
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots: jax.Array,
                parts: np.ndarray | None) -> jax.Array:
     p = dot_precision(x)
-    rank = b.shape[-1]
+    rank = b.shape[-2]
     mine = (slots >= 0)[:, None].astype(x.dtype)
     at = jnp.maximum(slots, 0)
-    a_t, b_t = _take(a, layer, at), _take(b, layer, at)  # [T, P * R, in], [T, out, R]
+    a_t, b_t = _take(a, layer, at), _take(b, layer, at)  # [T, P * R, in], [T, R, out]
     u = jnp.einsum("ti,tri->tr", x, a_t.astype(x.dtype), precision=p) * mine  # [T, P * R]
     if parts is None:
-        return jnp.einsum("tr,tor->to", u, b_t.astype(x.dtype), precision=p)
+        return jnp.einsum("tr,tro->to", u, b_t.astype(x.dtype), precision=p)
     u_rows = jnp.take(u.reshape(u.shape[0], -1, rank), parts, axis=1)  # [T, out, R]: each row's part's
-    return jnp.einsum("tor,tor->to", u_rows, b_t.astype(x.dtype), precision=p)
+    return jnp.einsum("tor,tro->to", u_rows, b_t.astype(x.dtype), precision=p)

@@ -189,7 +189,7 @@ def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_c
               tensor_parallel_size=2)
     specs = {(linear, which): tuple(llm.engine.runner.params[i].sharding.spec)
              for i, _, linear, which in llm.engine.loras.tables.entries}
-    assert "tp" in specs["self_attn.qkv_proj", "b"][-2] and "tp" in specs["mlp.down_proj", "a"][-1]
+    assert "tp" in specs["self_attn.qkv_proj", "b"][-1] and "tp" in specs["mlp.down_proj", "a"][-1]  # B [.., R, out]
     prompts = _prompts(13)
     mix = [LoRARequest("a", 1, str(tmp_path / "a")), None, LoRARequest("b", 2, str(tmp_path / "b")),
            LoRARequest("a", 1, str(tmp_path / "a"))]

@@ -53,7 +53,7 @@ def test_packed_tables_give_each_modules_own_term_in_the_fused_layout():
     adapter = _adapter(0, rank=3, modules=("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"))
     x = np.random.default_rng(1).standard_normal((5, 32)).astype(np.float32)
     packed = pack_layer(adapter, CFG, 1, rank=4)
-    assert packed["mlp.gate_up_proj"][1].shape == (96, 4)  # one rank's columns: no block of zeros
+    assert packed["mlp.gate_up_proj"][1].shape == (4, 96)  # [rank, out]: one rank's rows, no block of zeros
     term = {m: x @ a.T @ b.T for (layer, m), (a, b) in adapter.weights.items() if layer == 1 and m != "down_proj"}
     fused = _term(packed, "self_attn.qkv_proj", x).reshape(5, 2, 4, 8)  # [T, kv_heads, group + 2, head_dim]
     np.testing.assert_allclose(fused[:, :, :2].reshape(5, 32), term["q_proj"], rtol=1e-5, atol=1e-5)

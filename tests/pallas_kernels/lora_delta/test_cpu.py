@@ -17,7 +17,7 @@ def _tables(parts, out, seed=0):
     rng = np.random.default_rng(seed)
     p = 1 if parts is None else int(parts.max()) + 1
     a = rng.standard_normal((L, S, p * R, IN)).astype(np.float32)
-    b = rng.standard_normal((L, S, out, R)).astype(np.float32)
+    b = rng.standard_normal((L, S, R, out)).astype(np.float32)
     return jnp.asarray(a), jnp.asarray(b)
 
 
