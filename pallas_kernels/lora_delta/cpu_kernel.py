@@ -36,6 +36,8 @@ _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, ca
 ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
 COLS_PER_CHUNK = 64  # the second pass's outputs per chunk: a multiple of 64, so that a chunk of q/k/v (whose
 # parts run a head_dim of 64 or more each) holds one part
+ALTERNATING_COLS = 256  # the same for a layer whose outputs alternate parts (gate/up): PATTERN's cost spread thinner
+PATTERN = 64  # outputs a rank's coefficient pattern covers (alternating parts)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
@@ -58,6 +60,17 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 
 
 @numba.njit(**_KW)
+def _alternating(parts_p, o0, o1):
+    """Whether outputs o0:o1 (a whole number of PATTERNs) alternate between parts 0 and 1 (fused gate/up)."""
+    if parts_p == 0 or (o1 - o0) % PATTERN:
+        return False
+    for o in range(o0, o1):
+        if load32(parts_p + 4 * o) != (o - o0) % 2:
+            return False
+    return True
+
+
+@numba.njit(**_KW)
 def b_block(b, parts_p, slots, u, y, o0, o1):
     """y[:, o0:o1]: for each token, each part among these outputs summed over the rank into a block of outputs.
     (The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
@@ -70,11 +83,28 @@ def b_block(b, parts_p, slots, u, y, o0, o1):
             part[o] = load32(parts_p + 4 * (o0 + o))
     first, last = part.min(), part.max()
     acc = np.empty(n, np.float32)
+    pattern = np.empty(PATTERN, np.float32)
+    alternating = _alternating(parts_p, o0, o1)
     for tok in range(y.shape[0]):
         s = slots[tok]
         row = y[tok, o0:o1]
         if s < 0 or s >= n_slots:
             row[:] = np.float32(0.0)
+            continue
+        if alternating:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts are,
+            # once, for every PATTERN outputs of the block (where a pass per part computed each output twice)
+            acc[:] = np.float32(0.0)
+            for r in range(rank):
+                c0, c1 = u[tok, r], u[tok, rank + r]
+                for o in range(PATTERN):
+                    pattern[o] = c1 if o & 1 else c0
+                bt = b[s, r, o0:o1]
+                for k in range(n // PATTERN):
+                    acc_k = acc[k * PATTERN:(k + 1) * PATTERN]
+                    bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
+                    for o in range(PATTERN):
+                        acc_k[o] += pattern[o] * bt_k[o]
+            row[:] = acc
             continue
         for p in range(first, last + 1):
             acc[:] = np.float32(0.0)
@@ -92,17 +122,23 @@ def b_block(b, parts_p, slots, u, y, o0, o1):
 
 
 @numba.njit(inline="always", **_KW)
+def _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count):
+    """The call's arrays from its words (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
+    return (carray(to_ptr(x_p), (t, n), dtype=np.float32),
+            carray(to_ptr(a_p), (s_count, w, n), dtype=np.float32),
+            carray(to_ptr(b_p), (s_count, rank, o), dtype=np.float32),
+            parts_p,
+            carray(to_ptr(slots_p), (t,), dtype=np.int32),
+            carray(to_ptr(u_p), (t, w), dtype=np.float32),
+            carray(to_ptr(y_p), (t, o), dtype=np.float32))
+
+
+@numba.njit(inline="always", **_KW)
 def _arrays(words):
-    """The words are (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
-    t, n, w, o, rank, s_count = (load64(words + 56), load64(words + 64), load64(words + 72), load64(words + 80),
-                                 load64(words + 88), load64(words + 96))
-    return (carray(to_ptr(load64(words)), (t, n), dtype=np.float32),
-            carray(to_ptr(load64(words + 8)), (s_count, w, n), dtype=np.float32),
-            carray(to_ptr(load64(words + 16)), (s_count, rank, o), dtype=np.float32),
-            load64(words + 24),
-            carray(to_ptr(load64(words + 32)), (t,), dtype=np.int32),
-            carray(to_ptr(load64(words + 40)), (t, w), dtype=np.float32),
-            carray(to_ptr(load64(words + 48)), (t, o), dtype=np.float32))
+    """`_views` of the words stored at `words` (by `launch`)."""
+    return _views(load64(words), load64(words + 8), load64(words + 16), load64(words + 24), load64(words + 32),
+                  load64(words + 40), load64(words + 48), load64(words + 56), load64(words + 64),
+                  load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96))
 
 
 @numba.njit(**_KW)
@@ -117,10 +153,11 @@ def a_rows(words, chunk):
 
 @numba.njit(**_KW)
 def b_rows(words, chunk):
-    """The second pass's chunk: COLS_PER_CHUNK outputs for every token."""
+    """The second pass's chunk: a block of outputs (the words' last) for every token."""
     _, _, b, parts_p, slots, u, y = _arrays(words)
-    o0 = chunk * COLS_PER_CHUNK
-    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + COLS_PER_CHUNK))
+    cols = load64(words + 104)
+    o0 = chunk * cols
+    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + cols))
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -159,21 +196,19 @@ def _execute(frame):
     b_p += layer * s_count * o * rank * 4
     if dim(parts_d, 0) != o:
         parts_p = 0
-    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
+    cols = ALTERNATING_COLS if o % ALTERNATING_COLS == 0 and _alternating(parts_p, 0, o) else COLS_PER_CHUNK
+    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, cols)
+    x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
-        a_block(carray(to_ptr(x_p), (t, n), dtype=np.float32), carray(to_ptr(a_p), (s_count, w, n), dtype=np.float32),
-                carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
-                0, t, 0, w)
+        a_block(x, a, slots, u, 0, t, 0, w)
     else:
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
     if t * o * rank <= SERIAL_MACS:
-        for o0 in range(0, o, COLS_PER_CHUNK):
-            b_block(carray(to_ptr(b_p), (s_count, rank, o), dtype=np.float32), parts_p,
-                    carray(to_ptr(slots_p), (t,), dtype=np.int32), carray(to_ptr(u_p), (t, w), dtype=np.float32),
-                    carray(to_ptr(y_p), (t, o), dtype=np.float32), o0, min(o, o0 + COLS_PER_CHUNK))
+        for o0 in range(0, o, cols):
+            b_block(b, parts_p, slots, u, y, o0, min(o, o0 + cols))
     else:
-        launch(frame, words, (o + COLS_PER_CHUNK - 1) // COLS_PER_CHUNK, _b_address(), True)
+        launch(frame, words, (o + cols - 1) // cols, _b_address(), True)
 
 
 @numba.cfunc(HANDLER, cache=True)
