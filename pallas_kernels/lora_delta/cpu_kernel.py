@@ -71,54 +71,59 @@ def _alternating(parts_p, o0, o1):
 
 
 @numba.njit(**_KW)
-def b_block(b, parts_p, slots, u, y, o0, o1):
-    """y[:, o0:o1]: for each token, each part among these outputs summed over the rank into a block of outputs.
-    (The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
-    test per element, and the loop is no longer vectorized: 4x slower.)"""
+def b_blocks(b, parts_p, slots, u, y, o0, o1, cols):
+    """y[:, o0:o1], by blocks of `cols` outputs: for each token, each part among a block's outputs summed over the
+    rank into the block (one scratch for every block: a decode step of one token has ~40 blocks a layer).
+    The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
+    test per element, and the loop is no longer vectorized (4x slower)."""
     n_slots, rank = b.shape[0], b.shape[1]
-    n = o1 - o0
-    part = np.zeros(n, np.int32)
-    if parts_p != 0:
-        for o in range(n):
-            part[o] = load32(parts_p + 4 * (o0 + o))
-    first, last = part.min(), part.max()
-    acc = np.empty(n, np.float32)
+    part = np.empty(cols, np.int32)
+    acc = np.empty(cols, np.float32)
     pattern = np.empty(PATTERN, np.float32)
-    alternating = _alternating(parts_p, o0, o1)
-    for tok in range(y.shape[0]):
-        s = slots[tok]
-        row = y[tok, o0:o1]
-        if s < 0 or s >= n_slots:
-            row[:] = np.float32(0.0)
-            continue
-        if alternating:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts are,
-            # once, for every PATTERN outputs of the block (where a pass per part computed each output twice)
-            acc[:] = np.float32(0.0)
-            for r in range(rank):
-                c0, c1 = u[tok, r], u[tok, rank + r]
-                for o in range(PATTERN):
-                    pattern[o] = c1 if o & 1 else c0
-                bt = b[s, r, o0:o1]
-                for k in range(n // PATTERN):
-                    acc_k = acc[k * PATTERN:(k + 1) * PATTERN]
-                    bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
+    for start in range(o0, o1, cols):
+        stop = min(o1, start + cols)
+        n = stop - start
+        first, last = 0, 0
+        if parts_p != 0:
+            for o in range(n):
+                part[o] = load32(parts_p + 4 * (start + o))
+            first, last = part[:n].min(), part[:n].max()
+        alternating = _alternating(parts_p, start, stop)
+        for tok in range(y.shape[0]):
+            s = slots[tok]
+            row = y[tok, start:stop]
+            if s < 0 or s >= n_slots:
+                row[:] = np.float32(0.0)
+                continue
+            block = acc[:n]
+            if alternating:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts
+                # are, once, for every PATTERN outputs of the block (a pass per part computed each output twice)
+                block[:] = np.float32(0.0)
+                for r in range(rank):
+                    c0, c1 = u[tok, r], u[tok, rank + r]
                     for o in range(PATTERN):
-                        acc_k[o] += pattern[o] * bt_k[o]
-            row[:] = acc
-            continue
-        for p in range(first, last + 1):
-            acc[:] = np.float32(0.0)
-            for r in range(rank):
-                coef = u[tok, p * rank + r]
-                bt = b[s, r, o0:o1]
-                for o in range(n):
-                    acc[o] += coef * bt[o]
-            if first == last:
-                row[:] = acc
-            else:
-                for o in range(n):
-                    if part[o] == p:
-                        row[o] = acc[o]
+                        pattern[o] = c1 if o & 1 else c0
+                    bt = b[s, r, start:stop]
+                    for k in range(n // PATTERN):
+                        acc_k = block[k * PATTERN:(k + 1) * PATTERN]
+                        bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
+                        for o in range(PATTERN):
+                            acc_k[o] += pattern[o] * bt_k[o]
+                row[:] = block
+                continue
+            for p in range(first, last + 1):
+                block[:] = np.float32(0.0)
+                for r in range(rank):
+                    coef = u[tok, p * rank + r]
+                    bt = b[s, r, start:stop]
+                    for o in range(n):
+                        block[o] += coef * bt[o]
+                if first == last:
+                    row[:] = block
+                else:
+                    for o in range(n):
+                        if part[o] == p:
+                            row[o] = block[o]
 
 
 @numba.njit(inline="always", **_KW)
@@ -157,7 +162,7 @@ def b_rows(words, chunk):
     _, _, b, parts_p, slots, u, y = _arrays(words)
     cols = load64(words + 104)
     o0 = chunk * cols
-    b_block(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + cols))
+    b_blocks(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -196,7 +201,9 @@ def _execute(frame):
     b_p += layer * s_count * o * rank * 4
     if dim(parts_d, 0) != o:
         parts_p = 0
-    cols = ALTERNATING_COLS if o % ALTERNATING_COLS == 0 and _alternating(parts_p, 0, o) else COLS_PER_CHUNK
+    # blocks of gate/up's alternating outputs longer (each still checked whole by `_alternating`)
+    alternating = parts_p != 0 and o >= 2 and load32(parts_p) == 0 and load32(parts_p + 4) == 1
+    cols = ALTERNATING_COLS if alternating else COLS_PER_CHUNK
     words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, cols)
     x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
@@ -205,8 +212,7 @@ def _execute(frame):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
     if t * o * rank <= SERIAL_MACS:
-        for o0 in range(0, o, cols):
-            b_block(b, parts_p, slots, u, y, o0, min(o, o0 + cols))
+        b_blocks(b, parts_p, slots, u, y, 0, o, cols)
     else:
         launch(frame, words, (o + cols - 1) // cols, _b_address(), True)
 
