@@ -2,9 +2,10 @@
 copies). First ``u[t] = A[layer, s_t] x[t]`` by blocks of A's rows (every token of the step against the rows of its
 own slot: tokens that share an adapter read its rows from cache); then, by blocks of output columns,
 ``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]``: with B stored transposed ([R, out]) each rank's term
-is one multiply-add over a block's contiguous outputs (a vector loop; a block holding several parts of a fused
-layer, as gate/up's alternating rows do, sums each part over the block and keeps each output's own). Summed as
-16-long dots per (token, output) instead, the pass ran at ~1 GMAC/s. A token without an adapter gets exact zeros.
+is one multiply-add over a block's contiguous outputs (a vector loop; gate/up's alternating outputs take each
+rank's two coefficients laid out as the parts alternate, and any other block holding several parts of a fused
+layer sums each part over the block and keeps each output's own). Summed as 16-long dots per (token, output)
+instead, the pass ran at ~1 GMAC/s. A token without an adapter gets exact zeros.
 Each element's sums run in a fixed order over its own token's values, so a token's result does not depend on the
 others or on the thread split."""
 
