@@ -133,25 +133,13 @@ def part_parity(s: Sizes) -> dict:
 
 
 CALLS = 10  # calls queued back to back per timed round: each call's host dispatch overlaps the one before, so a
-# round times the device's work (at ~1 ms a call, a lone call's ~40 us of Python dispatch was ~4% of its time)
-
-
-def _timed(fn, *args, rounds: int = 10) -> float:
-    """Median seconds per call over `rounds` rounds of CALLS calls."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(CALLS):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / CALLS)
-    return float(np.median(times))
+# round times the device's work (timed one call at a time, an H100 host's dispatch and wait added 0.22-0.46 ms to
+# a ~0.8 ms attention call: `benchmarks/results/device_check_h100_ab.json`)
 
 
 def _timed_in_place(fn, q, new, k, v, *rest, rounds: int = 10) -> tuple[float, tuple]:
-    """Like `_timed` for fn(q, new, k, v, *rest) -> (out, k, v) with k and v donated: each call gets the caches the
-    last one returned. Returns the median and the final caches."""
+    """Median seconds per call of fn(q, new, k, v, *rest) -> (out, k, v) over `rounds` rounds of CALLS calls, k and v
+    donated: each call gets the caches the last one returned. Returns the median and the final caches."""
     out, k, v = fn(q, new, k, v, *rest)
     jax.block_until_ready(out)
     times = []
@@ -222,14 +210,14 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
     def attend(sizes):
         return jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sizes=sizes, interpret=interpret))
 
-    def record(case, trials, bases, n, ctx):
+    def record(case, trials, base, n, ctx):
         kv_bytes = n * ctx * 2 * kvh * d * 2
         for (label, sizes), sec in _interleaved(trials).items():
             if isinstance(sec, Exception):
                 rows.append({"case": label, **dataclasses.asdict(sizes), "error": str(sec)[:200]})
                 continue
             gbs = kv_bytes / sec / 1e9
-            rows.append({"case": label, **dataclasses.asdict(sizes), "table": sizes in bases and label == case,
+            rows.append({"case": label, **dataclasses.asdict(sizes), "table": sizes == base and label == case,
                          "ms": round(sec * 1e3, 4), "kv_GB_s": round(gbs, 1),
                          "fraction_of_peak": round(gbs * 1e9 / device.hbm_bytes_per_s, 4) if device else None})
 
@@ -259,8 +247,7 @@ def sweep_gpu_blocks(s: Sizes, device: Device | None, batches: dict, interpret: 
                                                                                     2 * page_size))}:
                     trials[(f"{case}, {page_size}-token pages", sizes)] = (
                         attend(sizes), (qp, kp, vp, mp.kv_lens, mp.block_tables, mp.query_start_loc))
-        record(case, trials, {base}, n, ctx)
-        trials.clear()
+        record(case, trials, base, n, ctx)
     return rows
 
 

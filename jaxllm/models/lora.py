@@ -6,9 +6,8 @@ A table is ``a [slots, parts * rank, in]`` and ``b [slots, rank, out]`` (B trans
 output row contiguous, so that a kernel sums the rank's terms into whole output rows at once): a fused projection
 (q/k/v, gate/up) holds its parts' ranks side by side in A, and each of its output columns of B (in the fused
 layout) holds the B row of the part it belongs to (`row_parts`; `jaxllm.lora.layout` packs them): no block of
-zeros is stored or read. Slot -1
-is "no adapter". The engine writes adapters into slots between steps (same shapes: nothing recompiles); the step
-gets each token's slot ([T] int32).
+zeros is stored or read. Slot -1 is "no adapter". The engine writes adapters into slots between steps (same
+shapes: nothing recompiles); the step gets each token's slot ([T] int32).
 
 A step of at most as many tokens as slots (a decode step of few sequences) gathers each token's own A and B and
 reads nothing else of the tables (on CPU every step runs `pallas_kernels.lora_delta`'s kernel,

@@ -61,20 +61,10 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 
 
 @numba.njit(**_KW)
-def _alternating(parts_p, o0, o1):
-    """Whether outputs o0:o1 (a whole number of PATTERNs) alternate between parts 0 and 1 (fused gate/up)."""
-    if parts_p == 0 or (o1 - o0) % PATTERN:
-        return False
-    for o in range(o0, o1):
-        if load32(parts_p + 4 * o) != (o - o0) % 2:
-            return False
-    return True
-
-
-@numba.njit(**_KW)
-def b_blocks(b, parts_p, slots, u, y, o0, o1, cols):
+def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
     """y[:, o0:o1], by blocks of `cols` outputs: for each token, each part among a block's outputs summed over the
     rank into the block (one scratch for every block: a decode step of one token has ~40 blocks a layer).
+    alternating: the outputs alternate parts 0 and 1 (fused gate/up), parts_p is then unused.
     The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
     test per element, and the loop is no longer vectorized (4x slower)."""
     n_slots, rank = b.shape[0], b.shape[1]
@@ -84,12 +74,16 @@ def b_blocks(b, parts_p, slots, u, y, o0, o1, cols):
     for start in range(o0, o1, cols):
         stop = min(o1, start + cols)
         n = stop - start
+        whole = alternating and n % PATTERN == 0 and start % 2 == 0  # a whole number of patterns, gate first
         first, last = 0, 0
-        if parts_p != 0:
+        if alternating and not whole:
+            for o in range(n):
+                part[o] = (start + o) % 2
+            first, last = part[:n].min(), part[:n].max()
+        elif parts_p != 0:
             for o in range(n):
                 part[o] = load32(parts_p + 4 * (start + o))
             first, last = part[:n].min(), part[:n].max()
-        alternating = _alternating(parts_p, start, stop)
         for tok in range(y.shape[0]):
             s = slots[tok]
             row = y[tok, start:stop]
@@ -97,7 +91,7 @@ def b_blocks(b, parts_p, slots, u, y, o0, o1, cols):
                 row[:] = np.float32(0.0)
                 continue
             block = acc[:n]
-            if alternating:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts
+            if whole:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts
                 # are, once, for every PATTERN outputs of the block (a pass per part computed each output twice)
                 block[:] = np.float32(0.0)
                 for r in range(rank):
@@ -129,7 +123,8 @@ def b_blocks(b, parts_p, slots, u, y, o0, o1, cols):
 
 @numba.njit(inline="always", **_KW)
 def _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count):
-    """The call's arrays from its words (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S)."""
+    """The call's arrays from its words (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S; the chunks' words
+    then hold the alternating flag)."""
     return (carray(to_ptr(x_p), (t, n), dtype=np.float32),
             carray(to_ptr(a_p), (s_count, w, n), dtype=np.float32),
             carray(to_ptr(b_p), (s_count, rank, o), dtype=np.float32),
@@ -157,13 +152,20 @@ def a_rows(words, chunk):
     a_block(x, a, slots, u, t0, min(x.shape[0], t0 + TOKENS_PER_CHUNK), r0, min(a.shape[1], r0 + ROWS_PER_CHUNK))
 
 
+@numba.njit(inline="always", **_KW)
+def _cols(alternating):
+    """The second pass's outputs per block."""
+    return ALTERNATING_COLS if alternating else COLS_PER_CHUNK
+
+
 @numba.njit(**_KW)
 def b_rows(words, chunk):
-    """The second pass's chunk: a block of outputs (the words' last) for every token."""
+    """The second pass's chunk: a block of outputs for every token."""
     _, _, b, parts_p, slots, u, y = _arrays(words)
-    cols = load64(words + 104)
+    alternating = load64(words + 104) != 0
+    cols = _cols(alternating)
     o0 = chunk * cols
-    b_blocks(b, parts_p, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
+    b_blocks(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -185,7 +187,8 @@ _b_address = symbol("jaxllm_cpu_lora_b_chunk", True)
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (x [T, in], a [L, S, P * R, in], b [L, S, R, out], layer [] int32, slots [T] int32,
-    parts [out] int32, or [1]: not fused); outputs y [T, out], u [T, P * R] (scratch). The layer index is clamped
+    parts [out] int32: each output's part, [2]: the outputs alternate parts 0 and 1 (gate/up), [1]: not fused);
+    outputs y [T, out], u [T, P * R] (scratch). The layer index is clamped
     into range, as XLA clamps a dynamic slice's; a slot past the table is treated as none."""
     x_p, x_d = buffer(frame, 0)
     a_p, a_d = buffer(frame, 1)
@@ -200,12 +203,11 @@ def _execute(frame):
     layer = min(max(np.int64(load32(layer_p)), 0), dim(a_d, 0) - 1)
     a_p += layer * s_count * w * n * 4  # float32
     b_p += layer * s_count * o * rank * 4
-    if dim(parts_d, 0) != o:
+    alternating = dim(parts_d, 0) == 2  # (a 2-output layer's own parts would be the same: 0, 1)
+    if alternating or dim(parts_d, 0) != o:
         parts_p = 0
-    # blocks of gate/up's alternating outputs longer (each still checked whole by `_alternating`)
-    alternating = parts_p != 0 and o >= 2 and load32(parts_p) == 0 and load32(parts_p + 4) == 1
-    cols = ALTERNATING_COLS if alternating else COLS_PER_CHUNK
-    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, cols)
+    cols = _cols(alternating)
+    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating))
     x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
         a_block(x, a, slots, u, 0, t, 0, w)
@@ -213,7 +215,7 @@ def _execute(frame):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
     if t * o * rank <= SERIAL_MACS:
-        b_blocks(b, parts_p, slots, u, y, 0, o, cols)
+        b_blocks(b, parts_p, alternating, slots, u, y, 0, o, cols)
     else:
         launch(frame, words, (o + cols - 1) // cols, _b_address(), True)
 

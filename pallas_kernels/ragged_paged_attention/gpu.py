@@ -56,7 +56,7 @@ class BlockSizes:
 # row, 4 sequences a program, 64 tokens an iteration, 3 pipeline stages, ran 0.82 ms (78% of HBM bandwidth); every
 # row of 64 tokens an iteration (1-4 sequences, 2-3 stages, 2-4 warps) within 2% of it, 4 sequences x 128 tokens
 # 14-18% slower. Loading an iteration's pages as one gathered [tokens, head_dim] tile, one dot each for QK and PV,
-# was slower in every shape tried (by 10-35%, timed one call at a time).
+# was slower in every shape tried (1.22-1.52 ms against 1.12-1.14 for this row, timed one call at a time).
 BLOCK_TABLE: dict[tuple[str, int], tuple[int, int, int, int]] = {  # rows, tokens_per_iter, warps, stages
     ("decode", 64): (MIN_ROWS, 128, 4, 2),
     ("decode", 128): (MIN_ROWS, 64, 4, 3),
@@ -290,7 +290,7 @@ def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, *, rows: int, r
     """The flash-decoding merge of the splits' partials (acc [splits, kv_heads, blocks * rows, D] unnormalised, m and
     denom [splits, kv_heads, blocks * rows]; each block's first `real` rows are queries): each rescaled to the
     common max, summed in split order, normalised; -> [kv_heads, blocks * real, D]. One program per (KV head,
-    query block): one launch where XLA made three reductions and a slice (98 fewer launches in an 8B-shaped batch-1
+    query block): one launch where XLA made three reductions and a slice (96 fewer launches in an 8B-shaped batch-1
     step; on an H100, inside the step's CUDA graphs, no faster: `benchmarks/results/device_check_h100_ab.json`)."""
     splits, kvh, total, d = acc.shape
     blocks = total // rows

@@ -47,8 +47,8 @@ class BlockSizes:
 # (block_n, block_k, num_warps, num_stages): the tile a program streams. block_n is lowered (down to 16) until the
 # grid has two programs per SM, and split-K raised only while it has fewer than one: on an H100 at the 8B model's
 # shapes (`benchmarks/device_check.py` part 5's sweep, calls queued) 16- and 32-row tiles without splits streamed
-# every weight within 5% of its fastest row (64-row tiles too, but o_proj's: 38% slower), at 4 warps and 4-5
-# stages (8 warps or 3 stages: up to 50% slower): q/k/v and o at 59-65% of HBM bandwidth, gate/up and down 70-75%,
+# every weight within 7% of its fastest row (64-row tiles too, but o_proj's: 38% slower), at 4 warps and 4-5
+# stages (8 warps or 3 stages: up to 53% slower): q/k/v and o at 59-65% of HBM bandwidth, gate/up and down 70-75%,
 # the LM head 85%.
 BLOCK_TABLE: tuple[int, int, int, int] = (64, 256, 4, 4)
 

@@ -21,7 +21,9 @@ def _tables(parts, out, seed=0):
     return jnp.asarray(a), jnp.asarray(b)
 
 
+# gate/up's alternating parts: 80 outputs (a block the pattern does not tile), 128 (one it tiles)
 @pytest.mark.parametrize("parts", [None, np.tile(np.arange(2), 40).astype(np.int32),
+                                   np.tile(np.arange(2), 64).astype(np.int32),
                                    np.tile(np.r_[np.zeros(16), np.ones(8), np.full(8, 2)], 3).astype(np.int32)])
 @pytest.mark.parametrize("tokens", [1, 5, 200])  # 200: both passes on the thread pool
 def test_kernel_equals_reference(parts, tokens):
