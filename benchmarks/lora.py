@@ -1,12 +1,13 @@
 """Multi-LoRA's cost on the embedded SmolLM2 (`LLM()` defaults, the `smollm2-cpu` preset): the plain engine against
 the same engine with ``enable_lora=True, max_loras=4, max_lora_rank=16`` serving four random rank-16 adapters (every
-projection of every layer targeted), both engines in one process, alternating over rounds (in separate processes
-one engine's single stream spread over 102-150 tok/s: `family_cost.py`). Batched: 32 streams (the LoRA engine's
-mixing the four adapters, eight each) of 64-token prompts, 128 new tokens each; single stream: one such request at
-a time (the LoRA engine's with an adapter). Greedy, EOS ignored: both engines produce the same
-number of tokens.
+projection of every layer targeted), the engines in one process, alternating (in separate processes one engine's
+single stream spread over 102-150 tok/s: `family_cost.py`). Batched: 32 streams (the LoRA engine's mixing the four
+adapters, eight each) of 64-token prompts, 128 new tokens each, the engines in turn; single stream: one such request
+at a time (the LoRA engine's with an adapter), six a round, the engines alternating request by request. Greedy, EOS
+ignored: the engines produce the same number of tokens. ``--lora-dtypes auto,float32`` adds a LoRA engine per
+adapter-table dtype (`lora_dtype`; "auto": bfloat16 over the embedded model's quantized weights), in the same rounds.
 
-    python benchmarks/lora.py [--rounds 3] [--json out.json]
+    python benchmarks/lora.py [--rounds 3] [--lora-dtypes auto] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 import machine
 import numpy as np
 
-STREAMS, PROMPT_LEN, NEW_TOKENS, SINGLE = 32, 64, 128, 3
+STREAMS, PROMPT_LEN, NEW_TOKENS, SINGLE = 32, 64, 128, 6
 ADAPTERS, RANK = 4, 16
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -52,11 +53,12 @@ def write_adapters(folder: Path, cfg) -> list[Path]:
     return paths
 
 
-def build(lora: bool):
-    """(engine, prompts, each prompt's adapter) for the plain engine or the LoRA one."""
+def build(lora_dtype: str | None):
+    """(engine, prompts, each prompt's adapter) for the plain engine (None) or a LoRA one."""
     from jaxllm import LLM, LoRARequest
 
-    llm = LLM(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK) if lora else LLM()
+    lora = lora_dtype is not None
+    llm = LLM(enable_lora=True, max_loras=ADAPTERS, max_lora_rank=RANK, lora_dtype=lora_dtype) if lora else LLM()
     rng = np.random.default_rng(0)
     vocab = llm.engine.model.config.vocab_size
     prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, PROMPT_LEN).tolist()} for _ in range(STREAMS)]
@@ -68,43 +70,72 @@ def build(lora: bool):
     return llm, prompts, requests
 
 
-def measure(llm, prompts, requests) -> dict:
-    """Batched: all the streams in one call; single: SINGLE requests one after another."""
+def batched(llm, prompts, requests) -> float:
+    """Generated tok/s of all the streams in one call."""
     from jaxllm import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
-    batched = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    tokens, seconds = 0, 0.0
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def single(llm, prompts, requests, i: int) -> tuple[int, float]:
+    """(tokens, seconds) of request i alone."""
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    start = time.perf_counter()
+    out = llm.generate(prompts[i], params, use_tqdm=False, lora_request=requests[i])[0].outputs[0]
+    return len(out.token_ids), time.perf_counter() - start
+
+
+def measure_round(engines: dict, order: list[str]) -> dict[str, dict]:
+    """Each engine's batched figure in turn, then the single-stream requests with the engines alternating request
+    by request (one request takes ~2 s: the machine's speed moves less between neighbours than between engines'
+    whole turns)."""
+    result = {name: {"batched_tok_s": batched(*engines[name])} for name in order}
+    totals = {name: [0, 0.0] for name in order}
     for i in range(SINGLE):
-        start = time.perf_counter()
-        out = llm.generate(prompts[i], params, use_tqdm=False, lora_request=requests[i])[0].outputs[0]
-        seconds += time.perf_counter() - start
-        tokens += len(out.token_ids)
-    return {"batched_tok_s": batched, "single_tok_s": tokens / seconds}
+        for name in (order if i % 2 == 0 else order[::-1]):
+            tokens, seconds = single(*engines[name], i)
+            totals[name][0] += tokens
+            totals[name][1] += seconds
+    for name, (tokens, seconds) in totals.items():
+        result[name]["single_tok_s"] = tokens / seconds
+    return result
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--lora-dtypes", default="auto", help="comma-separated lora_dtype values, an engine each")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
-    engines = {"base": build(False), "lora": build(True)}
+    dtypes = args.lora_dtypes.split(",")
+    names = {"base": None, **{"lora" if d == "auto" else f"lora_{d}": d for d in dtypes}}
+    engines = {name: build(d) for name, d in names.items()}
     for llm, prompts, requests in engines.values():  # every bucket and code path once, before timing
-        measure(llm, prompts[:4], requests[:4])
-    runs: dict[str, list[dict]] = {"base": [], "lora": []}
+        batched(llm, prompts[:4], requests[:4])
+        single(llm, prompts, requests, 0)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    order = list(names)
     for r in range(args.rounds):
-        for name in (("base", "lora") if r % 2 == 0 else ("lora", "base")):
-            runs[name].append(measure(*engines[name]))
-            print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
+        turn = order[r % len(order):] + order[:r % len(order)]  # each engine first in turn
+        for name, figures in measure_round(engines, turn).items():
+            runs[name].append(figures)
+            print(f"round {r + 1} {name}: {figures}", flush=True)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
-    result = {"machine": machine.describe(), "rounds": args.rounds, "runs": runs, "median": med,
-              "ratio": {k: med["lora"][k] / med["base"][k] for k in med["base"]}}
-    print("\n| workload | base tok/s | LoRA tok/s | ratio |\n|---|---|---|---|")
+    ratios = {name: {k: med[name][k] / med["base"][k] for k in med["base"]} for name in names if name != "base"}
+    result = {"machine": machine.describe(), "rounds": args.rounds, "lora_dtypes": dtypes, "runs": runs,
+              "median": med, "ratio": ratios.get("lora", next(iter(ratios.values()))), "ratios": ratios}
+    loras = [n for n in names if n != "base"]
+    print("\n| workload | base tok/s | " + " | ".join(f"{n} tok/s | ratio" for n in loras) + " |")
+    print("|---|---|" + "---|---|" * len(loras))
     for k, label in (("batched_tok_s", f"{STREAMS} streams (four adapters mixed)"),
                      ("single_tok_s", "single stream (with an adapter)")):
-        print(f"| {label} | {med['base'][k]:.1f} | {med['lora'][k]:.1f} | {result['ratio'][k]:.2f}x |")
+        cells = " | ".join(f"{med[n][k]:.1f} | {ratios[n][k]:.2f}x" for n in loras)
+        print(f"| {label} | {med['base'][k]:.1f} | {cells} |")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

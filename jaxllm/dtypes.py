@@ -9,6 +9,8 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 # KV cache element types: the model's dtype ("auto"), a narrower float, or float8 (values stored unscaled, as vLLM
 # does for checkpoints without calibrated KV scales; the kernels read pages and compute in float32).
 KV_CACHE_DTYPES = {**DTYPES, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
+# LoRA adapter tables (vLLM's lora_dtype): kernels widen 16-bit tables to float32 as they read them
+LORA_DTYPES = DTYPES
 
 
 def resolve_dtype(name: str | None = "auto", backend: str | None = None):

@@ -270,12 +270,33 @@ def buffer(frame, i, ret=False):
 
 # XLA_FFI_DataType values (xla_data.proto's PrimitiveType) the kernels dispatch on
 U8, F16, F32, BF16 = 6, 10, 11, 16
+# The element types kernels read float arrays as, by XLA_FFI_DataType (`widen`)
+ELEMENT_TYPES = {F32: np.float32, F16: np.uint16, BF16: np.int16}
 
 
 @numba.njit(inline="always")
 def buffer_dtype(frame, i):
     """XLA_FFI_Buffer.dtype (+16) of argument ``i``."""
     return load32(load64(load64(frame + 72) + 8 * i) + 16)
+
+
+@intrinsic
+def widen(typingctx, x):
+    """An element as float32: float32 as is, float16 bits (uint16) converted exactly, bfloat16 bits (int16) as the
+    upper half of a float32's. numba has no 16-bit float types: kernels see 16-bit arrays as integer arrays whose
+    type names the format (`ELEMENT_TYPES`)."""
+    if x == types.float32:
+        return types.float32(x), lambda context, builder, sig, args: args[0]
+    if x == types.uint16:
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(x), codegen
+    if x == types.int16:
+        def codegen(context, builder, sig, args):
+            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(bits, ir.FloatType())
+        return types.float32(x), codegen
+    return None
 
 
 @numba.njit(inline="always")

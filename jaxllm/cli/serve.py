@@ -120,6 +120,8 @@ FLAGS = [
     Flag(("--max-loras",), "JAXLLM_MAX_LORAS", "lora", "most adapters in one step (device slots)", int),
     Flag(("--max-lora-rank",), "JAXLLM_MAX_LORA_RANK", "lora", "largest adapter rank served", int),
     Flag(("--max-cpu-loras",), "JAXLLM_MAX_CPU_LORAS", "lora", "adapters kept loaded on the host", int),
+    Flag(("--lora-dtype",), "JAXLLM_LORA_DTYPE", "lora", "adapter tables' dtype: auto (the model's; bfloat16 over "
+         "quantized weights), float32, bfloat16, float16"),
     Flag(("--limit-mm-per-prompt",), "JAXLLM_LIMIT_MM_PER_PROMPT", "engine", 'images per prompt: N or {"image": N}',
          _json_or(int, "image")),
     Flag(("--tensor-parallel-size", "-tp"), "JAXLLM_TENSOR_PARALLEL_SIZE", "parallel", "devices one model spans",

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxllm.config import ConfigError
-from jaxllm.dtypes import KV_CACHE_DTYPES
+from jaxllm.dtypes import KV_CACHE_DTYPES, LORA_DTYPES
 from jaxllm.loading.quantize import QUANTIZATIONS
 from jaxllm.pooling_params import POOLING_METHODS
 from jaxllm.speculative.config import SpeculativeConfig
@@ -105,11 +105,13 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters (vLLM's names): requests name one with a LoRARequest; at most max_loras distinct adapters run in
     # a step (more wait), each of rank max_lora_rank or less; max_cpu_loras kept loaded on the host (default
-    # max_loras)
+    # max_loras). lora_dtype: the adapter tables' dtype; "auto": the model's, and bfloat16 in a layer whose weight
+    # is kept quantized (`jaxllm.models.lora.table_dtype`)
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     # vLLM's runner: "pooling" makes a causal model embed (last-token pooling unless `pooling` or its folder says
     # otherwise) as well as generate; "generate" refuses a model that cannot; "auto": what the model does.
     runner: str = "auto"
@@ -162,6 +164,7 @@ class EngineConfig:
             (self.max_n >= 1, "max_n must be >= 1"),
             (self.max_loras >= 1, "max_loras must be >= 1"),
             (self.max_lora_rank >= 1, "max_lora_rank must be >= 1"),
+            (self.lora_dtype in ("auto", *LORA_DTYPES), f"lora_dtype must be auto or one of {', '.join(LORA_DTYPES)}"),
             (self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
              "max_cpu_loras must be >= max_loras"),
             (not self.enable_lora or self.expert_parallel_size == 1,

@@ -113,7 +113,7 @@ def _enable_lora(config: EngineConfig, model: Model) -> None:
 
     if model.multimodal or not model.causal or not hasattr(model, "unstack_layers"):
         raise ConfigError("enable_lora: LoRA adapters run on text decoder models (Llama-family layers)")
-    lora.enable(model, config.max_loras, config.max_lora_rank)
+    lora.enable(model, config.max_loras, config.max_lora_rank, config.lora_dtype)
 
 
 def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> SpeculativeConfig | None:

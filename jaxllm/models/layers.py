@@ -64,7 +64,7 @@ class Linear(nnx.Module):
             self.weight_offset = None if offset is None else nnx.Param(offset, axes=self.weight_scale.axes)
         self.bias = nnx.Param(_init(rngs, (out_features,), dtype, None), axes=(axes[1],)) if bias else None
         self.kernels = choose_kernels(dtype=dtype)
-        # LoRA adapter slots (`jaxllm.models.lora.enable`): tables a [slots, R, in], b [slots, out, R]
+        # LoRA adapter slots (`jaxllm.models.lora.enable`): tables a [slots, P * R, in], b [slots, R, out]
         self.lora_rank = 0
         self.lora_fused: tuple[int, ...] | None = None  # a fused layer's row layout (`jaxllm.models.lora`)
         self.lora_a, self.lora_b = nnx.data(None), nnx.data(None)

@@ -26,6 +26,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxllm.config import ModelConfig
+from jaxllm.dtypes import LORA_DTYPES
 from pallas_kernels import dot_precision
 from pallas_kernels.lora_delta import cpu as lora_cpu
 from pallas_kernels.lora_delta.reference import lora_delta as reference_delta
@@ -68,9 +69,19 @@ def _module(layer: nnx.Module, dotted: str):
     return layer
 
 
-def enable(model, max_loras: int, max_rank: int) -> None:
+def table_dtype(lora_dtype: str, model_dtype, quantized: bool):
+    """The tables' dtype for a layer: `lora_dtype`, or for "auto" the model's dtype, except bfloat16 where the
+    layer's weight is kept quantized (4 to 8 bits a weight: a 16-bit adapter is finer than the base it corrects,
+    and adapters are commonly trained and saved in bfloat16; a single stream's step streams its adapter's tables
+    beside the base's bytes, and float32 tables made them a fifth of the embedded model's step)."""
+    if lora_dtype != "auto":
+        return LORA_DTYPES[lora_dtype]
+    return jnp.bfloat16 if quantized else model_dtype
+
+
+def enable(model, max_loras: int, max_rank: int, lora_dtype: str = "auto") -> None:
     """Gives every LoRA-capable linear layer of `model`'s decoder layers an all-zero table of `max_loras` slots of
-    rank `max_rank` (in the model's dtype). A mixture-of-experts MLP has no LoRA-capable projections."""
+    rank `max_rank` (in `table_dtype`). A mixture-of-experts MLP has no LoRA-capable projections."""
     if max_loras < 1 or max_rank < 1:
         raise ValueError(f"max_loras and max_lora_rank must be at least 1, got {max_loras} and {max_rank}")
     stacked = model.stacked
@@ -84,8 +95,9 @@ def enable(model, max_loras: int, max_rank: int) -> None:
             out, inp = linear_shape(cfg, linear)
             width = len(parts) * max_rank
             a_spec, b_spec = _table_specs(module.weight.get_value())
-            module.lora_a = LoRATable(_zeros((max_loras, width, inp), model.dtype, a_spec))
-            module.lora_b = LoRATable(_zeros((max_loras, max_rank, out), model.dtype, b_spec))
+            dtype = table_dtype(lora_dtype, model.dtype, module.quant is not None)
+            module.lora_a = LoRATable(_zeros((max_loras, width, inp), dtype, a_spec))
+            module.lora_b = LoRATable(_zeros((max_loras, max_rank, out), dtype, b_spec))
             module.lora_rank = max_rank
             module.lora_fused = fused_layout(cfg, linear)
     if stacked:

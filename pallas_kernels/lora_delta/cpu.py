@@ -1,8 +1,8 @@
 """The adapter term on CPU: an XLA FFI custom call into `cpu_kernel` (two passes shared with XLA's thread pool).
-For float32 tables and activations, any number of tokens: each token's own slot is read in place, where the
-reference gathers a copy of each token's tables (a decode step) and the model's path for long steps multiplies by
-every slot (a prefill chunk); other dtypes run the reference. The tables are given as the
-whole layer stack and the layer index: a sliced operand would be copied first."""
+For float32 activations and float32, float16 or bfloat16 tables (widened as they are read), any number of tokens:
+each token's own slot is read in place, where the reference gathers a copy of each token's tables (a decode step)
+and the model's path for long steps multiplies by every slot (a prefill chunk); other dtypes run the reference.
+The tables are given as the whole layer stack and the layer index: a sliced operand would be copied first."""
 
 from __future__ import annotations
 
@@ -26,8 +26,12 @@ def register() -> None:
     register_once(TARGET, _load_handler)
 
 
+TABLE_DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+
+
 def applies(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
-    return x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == a.dtype == b.dtype == jnp.float32
+    return (x.ndim == 2 and 0 < x.shape[0] <= MAX_ROWS and x.dtype == jnp.float32 and a.dtype == b.dtype
+            and a.dtype in TABLE_DTYPES)
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots: jax.Array,

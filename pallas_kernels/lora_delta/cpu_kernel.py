@@ -7,7 +7,9 @@ rank's two coefficients laid out as the parts alternate, and any other block hol
 layer sums each part over the block and keeps each output's own). Summed as 16-long dots per (token, output)
 instead, the pass ran at ~1 GMAC/s. A token without an adapter gets exact zeros.
 Each element's sums run in a fixed order over its own token's values, so a token's result does not depend on the
-others or on the thread split."""
+others or on the thread split.
+Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
+as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes."""
 
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ from pallas_kernels.cpu_ffi import drop_stale_cache
 drop_stale_cache(__file__)
 
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
+    BF16,
+    F16,
     HANDLER,
     buffer,
+    buffer_dtype,
     dim,
     export_symbol,
     is_execute,
@@ -31,6 +36,8 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     symbol,
     to_int,
     to_ptr,
+    widen,
+    workers,
 )
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
@@ -40,6 +47,7 @@ COLS_PER_CHUNK = 64  # the second pass's outputs per chunk: a multiple of 64, so
 ALTERNATING_COLS = 256  # the same for a layer whose outputs alternate parts (gate/up): PATTERN's cost spread thinner
 PATTERN = 64  # outputs a rank's coefficient pattern covers (alternating parts)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
+STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows (`b_rows_streamed`)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
@@ -56,7 +64,7 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
         for r in range(r0, r1):
             acc = np.float32(0.0)
             for i in range(x.shape[1]):
-                acc += a[s, r, i] * x[tok, i]
+                acc += widen(a[s, r, i]) * x[tok, i]
             u[tok, r] = acc
 
 
@@ -103,7 +111,7 @@ def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
                         acc_k = block[k * PATTERN:(k + 1) * PATTERN]
                         bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
                         for o in range(PATTERN):
-                            acc_k[o] += pattern[o] * bt_k[o]
+                            acc_k[o] += pattern[o] * widen(bt_k[o])
                 row[:] = block
                 continue
             for p in range(first, last + 1):
@@ -112,7 +120,7 @@ def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
                     coef = u[tok, p * rank + r]
                     bt = b[s, r, start:stop]
                     for o in range(n):
-                        block[o] += coef * bt[o]
+                        block[o] += coef * widen(bt[o])
                 if first == last:
                     row[:] = block
                 else:
@@ -121,13 +129,69 @@ def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
                             row[o] = block[o]
 
 
+@numba.njit(**_KW)
+def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1, cols):
+    """y[:, o0:o1] (o0 a multiple of `cols`) for each token rank by rank: the token's B rows are read once each,
+    front to back, one stream (`b_blocks` reads a block of every rank's row at once: R streams, which the
+    prefetchers follow poorly when the tables come from memory, as a decode step's do). Each output sums its rank
+    terms in `b_blocks`' order (from zero, ranks in order), so a token's result is the same on either path."""
+    n_slots, rank = b.shape[0], b.shape[1]
+    out = o1 - o0
+    n_blocks = (out + cols - 1) // cols
+    part = np.zeros(out, np.int32)
+    block_part = np.zeros(n_blocks, np.int32)  # the part of a block's outputs, -1: several
+    if alternating:
+        for o in range(out):
+            part[o] = (o0 + o) % 2
+    elif parts_p != 0:
+        for o in range(out):
+            part[o] = load32(parts_p + 4 * (o0 + o))
+    for k in range(n_blocks):
+        seg = part[k * cols:min(out, (k + 1) * cols)]
+        block_part[k] = seg[0] if seg.min() == seg.max() else -1
+    whole = alternating and out % PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: one pattern of a rank's two
+    pattern = np.empty(PATTERN, np.float32)
+    for tok in range(y.shape[0]):
+        s = slots[tok]
+        row = y[tok, o0:o1]
+        row[:] = np.float32(0.0)
+        if s < 0 or s >= n_slots:
+            continue
+        for r in range(rank):
+            bt = b[s, r, o0:o1]
+            if whole:
+                c0, c1 = u[tok, r], u[tok, rank + r]
+                for o in range(PATTERN):
+                    pattern[o] = c1 if o & 1 else c0
+                for k in range(out // PATTERN):
+                    row_k = row[k * PATTERN:(k + 1) * PATTERN]
+                    bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
+                    for o in range(PATTERN):
+                        row_k[o] += pattern[o] * widen(bt_k[o])
+                continue
+            for k in range(n_blocks):
+                start = k * cols
+                n = min(out, start + cols) - start
+                row_k = row[start:start + n]
+                bt_k = bt[start:start + n]
+                p = block_part[k]
+                if p >= 0:
+                    coef = u[tok, p * rank + r]
+                    for o in range(n):
+                        row_k[o] += coef * widen(bt_k[o])
+                else:
+                    part_k = part[start:start + n]
+                    for o in range(n):
+                        row_k[o] += u[tok, part_k[o] * rank + r] * widen(bt_k[o])
+
+
 @numba.njit(inline="always", **_KW)
-def _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count):
+def _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, table_type):
     """The call's arrays from its words (x, a, b, parts, slots, u, y, T, in, P * R, out, R, S; the chunks' words
-    then hold the alternating flag)."""
+    then hold the alternating flag), the tables as `table_type` (an `ELEMENT_TYPES` value)."""
     return (carray(to_ptr(x_p), (t, n), dtype=np.float32),
-            carray(to_ptr(a_p), (s_count, w, n), dtype=np.float32),
-            carray(to_ptr(b_p), (s_count, rank, o), dtype=np.float32),
+            carray(to_ptr(a_p), (s_count, w, n), dtype=table_type),
+            carray(to_ptr(b_p), (s_count, rank, o), dtype=table_type),
             parts_p,
             carray(to_ptr(slots_p), (t,), dtype=np.int32),
             carray(to_ptr(u_p), (t, w), dtype=np.float32),
@@ -135,17 +199,17 @@ def _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
 
 
 @numba.njit(inline="always", **_KW)
-def _arrays(words):
+def _arrays(words, table_type):
     """`_views` of the words stored at `words` (by `launch`)."""
     return _views(load64(words), load64(words + 8), load64(words + 16), load64(words + 24), load64(words + 32),
                   load64(words + 40), load64(words + 48), load64(words + 56), load64(words + 64),
-                  load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96))
+                  load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96), table_type)
 
 
 @numba.njit(**_KW)
-def a_rows(words, chunk):
+def a_rows(words, chunk, table_type):
     """The first pass's chunk: TOKENS_PER_CHUNK tokens x ROWS_PER_CHUNK rows of A."""
-    x, a, _, _, slots, u, _ = _arrays(words)
+    x, a, _, _, slots, u, _ = _arrays(words, table_type)
     row_blocks = (a.shape[1] + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
     r0 = (chunk % row_blocks) * ROWS_PER_CHUNK
     t0 = (chunk // row_blocks) * TOKENS_PER_CHUNK
@@ -159,37 +223,66 @@ def _cols(alternating):
 
 
 @numba.njit(**_KW)
-def b_rows(words, chunk):
+def b_rows(words, chunk, table_type):
     """The second pass's chunk: a block of outputs for every token."""
-    _, _, b, parts_p, slots, u, y = _arrays(words)
+    _, _, b, parts_p, slots, u, y = _arrays(words, table_type)
     alternating = load64(words + 104) != 0
     cols = _cols(alternating)
-    o0 = chunk * cols
-    b_blocks(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
+    streamed = load64(words + 112)  # outputs per chunk of a few tokens' streamed pass, 0: blocked
+    if streamed:
+        o0 = chunk * streamed
+        b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + streamed), cols)
+    else:
+        o0 = chunk * cols
+        b_blocks(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
-def _a_chunk(words, chunk):
-    a_rows(words, chunk)
+def _a_chunk_f32(words, chunk):
+    a_rows(words, chunk, np.float32)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
-def _b_chunk(words, chunk):
-    b_rows(words, chunk)
+def _a_chunk_f16(words, chunk):
+    a_rows(words, chunk, np.uint16)
 
 
-export_symbol("jaxllm_cpu_lora_a_chunk", _a_chunk.address)
-export_symbol("jaxllm_cpu_lora_b_chunk", _b_chunk.address)
-_a_address = symbol("jaxllm_cpu_lora_a_chunk", True)
-_b_address = symbol("jaxllm_cpu_lora_b_chunk", True)
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _a_chunk_bf16(words, chunk):
+    a_rows(words, chunk, np.int16)
 
 
-@numba.njit(**_KW)
-def _execute(frame):
-    """The FFI call: inputs (x [T, in], a [L, S, P * R, in], b [L, S, R, out], layer [] int32, slots [T] int32,
-    parts [out] int32: each output's part, [2]: the outputs alternate parts 0 and 1 (gate/up), [1]: not fused);
-    outputs y [T, out], u [T, P * R] (scratch). The layer index is clamped
-    into range, as XLA clamps a dynamic slice's; a slot past the table is treated as none."""
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _b_chunk_f32(words, chunk):
+    b_rows(words, chunk, np.float32)
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _b_chunk_f16(words, chunk):
+    b_rows(words, chunk, np.uint16)
+
+
+@numba.cfunc(types.void(types.int64, types.int64), cache=True)
+def _b_chunk_bf16(words, chunk):
+    b_rows(words, chunk, np.int16)
+
+
+_CHUNKS = (("a_f32", _a_chunk_f32), ("a_f16", _a_chunk_f16), ("a_bf16", _a_chunk_bf16),
+           ("b_f32", _b_chunk_f32), ("b_f16", _b_chunk_f16), ("b_bf16", _b_chunk_bf16))
+for _name, _fn in _CHUNKS:
+    export_symbol(f"jaxllm_cpu_lora_{_name}_chunk", _fn.address)
+_a_f32 = symbol("jaxllm_cpu_lora_a_f32_chunk", True)
+_a_f16 = symbol("jaxllm_cpu_lora_a_f16_chunk", True)
+_a_bf16 = symbol("jaxllm_cpu_lora_a_bf16_chunk", True)
+_b_f32 = symbol("jaxllm_cpu_lora_b_f32_chunk", True)
+_b_f16 = symbol("jaxllm_cpu_lora_b_f16_chunk", True)
+_b_bf16 = symbol("jaxllm_cpu_lora_b_bf16_chunk", True)
+
+
+@numba.njit(inline="always", **_KW)
+def _run(frame, table_type, itemsize, a_chunk, b_chunk):
+    """`_execute` for tables of `table_type` (``itemsize`` bytes), its launches' chunks at ``a_chunk`` /
+    ``b_chunk``."""
     x_p, x_d = buffer(frame, 0)
     a_p, a_d = buffer(frame, 1)
     b_p, b_d = buffer(frame, 2)
@@ -201,23 +294,43 @@ def _execute(frame):
     t, n = dim(x_d, 0), dim(x_d, 1)
     s_count, w, rank, o = dim(a_d, 1), dim(a_d, 2), dim(b_d, 2), dim(b_d, 3)
     layer = min(max(np.int64(load32(layer_p)), 0), dim(a_d, 0) - 1)
-    a_p += layer * s_count * w * n * 4  # float32
-    b_p += layer * s_count * o * rank * 4
+    a_p += layer * s_count * w * n * itemsize
+    b_p += layer * s_count * o * rank * itemsize
     alternating = dim(parts_d, 0) == 2  # (a 2-output layer's own parts would be the same: 0, 1)
     if alternating or dim(parts_d, 0) != o:
         parts_p = 0
     cols = _cols(alternating)
-    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating))
-    x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count)
+    blocks = (o + cols - 1) // cols
+    streamed = 0 if t > STREAMED_TOKENS else cols * ((blocks + workers() - 1) // workers())
+    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), streamed)
+    x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count,
+                                     table_type)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
         a_block(x, a, slots, u, 0, t, 0, w)
     else:
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
-        launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), _a_address(), True)
+        launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), a_chunk, True)
     if t * o * rank <= SERIAL_MACS:
-        b_blocks(b, parts_p, alternating, slots, u, y, 0, o, cols)
+        b_rows_streamed(b, parts_p, alternating, slots, u, y, 0, o, cols)
+    elif streamed:
+        launch(frame, words, (o + streamed - 1) // streamed, b_chunk, True)
     else:
-        launch(frame, words, (o + cols - 1) // cols, _b_address(), True)
+        launch(frame, words, blocks, b_chunk, True)
+
+
+@numba.njit(**_KW)
+def _execute(frame):
+    """The FFI call: inputs (x [T, in] float32, a [L, S, P * R, in], b [L, S, R, out] (both float32, float16 or
+    bfloat16), layer [] int32, slots [T] int32, parts [out] int32: each output's part, [2]: the outputs alternate
+    parts 0 and 1 (gate/up), [1]: not fused); outputs y [T, out] float32, u [T, P * R] (scratch). The layer index is
+    clamped into range, as XLA clamps a dynamic slice's; a slot past the table is treated as none."""
+    tables = buffer_dtype(frame, 1)
+    if tables == F16:
+        _run(frame, np.uint16, 2, _a_f16(), _b_f16())
+    elif tables == BF16:
+        _run(frame, np.int16, 2, _a_bf16(), _b_bf16())
+    else:  # F32: `cpu.applies` passes no other type
+        _run(frame, np.float32, 4, _a_f32(), _b_f32())
 
 
 @numba.cfunc(HANDLER, cache=True)

@@ -10,8 +10,8 @@ tokens), shared between the calling thread and XLA's thread pool (`pallas_kernel
 Caches hold float32, float16 or bfloat16 values; 16-bit values are widened to float32 as they are read (half
 the bytes a step streams, and decode attention is bound by them). numba has no 16-bit float types, so the kernel
 sees 16-bit caches as integer arrays whose type names the format: uint16 for float16 bits, int16 for bfloat16 bits
-(`widen`). Numerics match the reference (float32 accumulation, the same online-softmax algebra, the same
-widened values).
+(`pallas_kernels.cpu_ffi.widen`). Numerics match the reference (float32 accumulation, the same online-softmax
+algebra, the same widened values).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ drop_stale_cache(__file__)
 
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     BF16,
+    ELEMENT_TYPES,
     F16,
-    F32,
     HANDLER,
     buffer,
     buffer_dtype,
@@ -45,6 +45,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     symbol,
     to_int,
     to_ptr,
+    widen,
     workers,
 )
 
@@ -53,25 +54,7 @@ NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 # The cache element types the kernel is compiled for, by FFI data type: 16-bit formats as integer bit patterns
-CACHE_TYPES = {F32: np.float32, F16: np.uint16, BF16: np.int16}
-
-
-@intrinsic
-def widen(typingctx, x):
-    """A cache element as float32: float32 as is, float16 bits (uint16) converted exactly, bfloat16 bits (int16)
-    as the upper half of a float32's."""
-    if x == types.float32:
-        return types.float32(x), lambda context, builder, sig, args: args[0]
-    if x == types.uint16:
-        def codegen(context, builder, sig, args):
-            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-        return types.float32(x), codegen
-    if x == types.int16:
-        def codegen(context, builder, sig, args):
-            bits = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-            return builder.bitcast(bits, ir.FloatType())
-        return types.float32(x), codegen
-    return None
+CACHE_TYPES = ELEMENT_TYPES
 
 
 @intrinsic

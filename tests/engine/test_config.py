@@ -1,4 +1,6 @@
-"""EngineConfig's compiled step shapes."""
+"""EngineConfig: its compiled step shapes, presets and checks."""
+
+import pytest
 
 from jaxllm.engine.config import EngineConfig
 
@@ -50,3 +52,17 @@ def test_each_platform_has_a_preset():
     for name in ("cpu", "gpu", "tpu"):
         config = EngineConfig.from_preset(name)
         assert config.model is None and config.buckets()
+
+
+def test_lora_dtype_is_checked_and_auto_follows_the_weights():
+    import jax.numpy as jnp
+
+    from jaxllm.config import ConfigError
+    from jaxllm.models.lora import table_dtype
+
+    with pytest.raises(ConfigError, match="lora_dtype must be auto or one of float32, bfloat16, float16"):
+        EngineConfig(model="m", lora_dtype="int8")
+    assert EngineConfig(model="m", lora_dtype="float16").lora_dtype == "float16"
+    assert table_dtype("auto", jnp.float32, quantized=False) == jnp.float32  # float weights: the model's dtype
+    assert table_dtype("auto", jnp.float32, quantized=True) == jnp.bfloat16
+    assert table_dtype("float32", jnp.float32, quantized=True) == jnp.float32

@@ -5,6 +5,7 @@ base model (a forced hash collision included)."""
 
 import copy
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -199,8 +200,9 @@ def test_tensor_parallel_adapters_equal_peft(tiny_model_dir, tmp_path, compile_c
 
 @pytest.mark.slow
 def test_an_adapter_over_a_quantized_gguf_base(tiny_model_dir, tmp_path, compile_cache_dir):
-    """The base's Q8_0 weights stay quantized; the adapter's term is added in float: greedy tokens within the
-    quantization's rounding of transformers + peft over the float base."""
+    """The base's Q8_0 weights stay quantized; the adapter's tables are bfloat16 (`lora_dtype` "auto" over quantized
+    weights) and its term is added in float32: greedy tokens within the quantization's rounding of transformers +
+    peft over the float base."""
     from gguf import GGMLQuantizationType
 
     from tests.gguf_writer import write_llama_gguf
@@ -211,7 +213,10 @@ def test_an_adapter_over_a_quantized_gguf_base(tiny_model_dir, tmp_path, compile
     peft_model = _make_adapter(hf_model, tmp_path / "a", ["q_proj", "k_proj", "o_proj", "up_proj", "down_proj"], 8, 6)
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4,
               compilation_cache_dir=compile_cache_dir, enable_lora=True, max_loras=1, max_lora_rank=8)
-    assert any(p.dtype == np.int8 for p in llm.engine.runner.params)  # served quantized
+    runner = llm.engine.runner
+    assert any(p.dtype == np.int8 for p in runner.params)  # served quantized
+    tables = [p.dtype for p, path in zip(runner.params, runner.param_paths, strict=True) if ".lora_" in path]
+    assert tables and set(tables) == {jnp.dtype(jnp.bfloat16)}
     prompts = _prompts(17)
     assert [_hf_greedy(peft_model, p) for p in prompts] != [_hf_greedy(hf_model, p) for p in prompts]
     assert_greedy_within(llm, peft_model, prompts, lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
