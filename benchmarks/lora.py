@@ -4,8 +4,10 @@ projection of every layer targeted), the engines in one process, alternating (in
 single stream spread over 102-150 tok/s: `family_cost.py`). Batched: 32 streams (the LoRA engine's mixing the four
 adapters, eight each) of 64-token prompts, 128 new tokens each, the engines in turn; single stream: one such request
 at a time (the LoRA engine's with an adapter), six a round, the engines alternating request by request. Greedy, EOS
-ignored: the engines produce the same number of tokens. ``--lora-dtypes auto,float32`` adds a LoRA engine per
-adapter-table dtype (`lora_dtype`; "auto": bfloat16 over the embedded model's quantized weights), in the same rounds.
+ignored: the engines produce the same number of tokens. Besides the medians of rounds, the median over every
+request of its tok/s against the plain engine's run of the same request beside it. ``--lora-dtypes auto,float32``
+adds a LoRA engine per adapter-table dtype (`lora_dtype`; "auto": bfloat16 over the embedded model's quantized
+weights), in the same rounds.
 
     python benchmarks/lora.py [--rounds 3] [--lora-dtypes auto] [--json out.json]
 """
@@ -95,14 +97,13 @@ def measure_round(engines: dict, order: list[str]) -> dict[str, dict]:
     by request (one request takes ~2 s: the machine's speed moves less between neighbours than between engines'
     whole turns)."""
     result = {name: {"batched_tok_s": batched(*engines[name])} for name in order}
-    totals = {name: [0, 0.0] for name in order}
+    each: dict[str, list[tuple[int, float]]] = {name: [] for name in order}
     for i in range(SINGLE):
         for name in (order if i % 2 == 0 else order[::-1]):
-            tokens, seconds = single(*engines[name], i)
-            totals[name][0] += tokens
-            totals[name][1] += seconds
-    for name, (tokens, seconds) in totals.items():
-        result[name]["single_tok_s"] = tokens / seconds
+            each[name].append(single(*engines[name], i))
+    for name, runs in each.items():
+        result[name]["single_tok_s"] = sum(n for n, _ in runs) / sum(s for _, s in runs)
+        result[name]["single_requests_tok_s"] = [n / s for n, s in runs]
     return result
 
 
@@ -125,8 +126,13 @@ def main() -> None:
         for name, figures in measure_round(engines, turn).items():
             runs[name].append(figures)
             print(f"round {r + 1} {name}: {figures}", flush=True)
-    med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
-    ratios = {name: {k: med[name][k] / med["base"][k] for k in med["base"]} for name in names if name != "base"}
+    keys = ("batched_tok_s", "single_tok_s")
+    med = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
+    ratios = {name: {k: med[name][k] / med["base"][k] for k in keys} for name in names if name != "base"}
+    for name in ratios:  # each request against the plain engine's run of it next to it, over every round
+        pairs = [mine / plain for rm, rb in zip(runs[name], runs["base"], strict=True)
+                 for mine, plain in zip(rm["single_requests_tok_s"], rb["single_requests_tok_s"], strict=True)]
+        ratios[name]["single_pairs_median"] = statistics.median(pairs)
     result = {"machine": machine.describe(), "rounds": args.rounds, "lora_dtypes": dtypes, "runs": runs,
               "median": med, "ratio": ratios.get("lora", next(iter(ratios.values()))), "ratios": ratios}
     loras = [n for n in names if n != "base"]
@@ -136,6 +142,8 @@ def main() -> None:
                      ("single_tok_s", "single stream (with an adapter)")):
         cells = " | ".join(f"{med[n][k]:.1f} | {ratios[n][k]:.2f}x" for n in loras)
         print(f"| {label} | {med['base'][k]:.1f} | {cells} |")
+    print("single stream, median of request pairs: " + ", ".join(f"{n} {ratios[n]['single_pairs_median']:.2f}x"
+                                                                 for n in loras))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
