@@ -48,6 +48,7 @@ ALTERNATING_COLS = 256  # the same for a layer whose outputs alternate parts (ga
 PATTERN = 64  # outputs a rank's coefficient pattern covers (alternating parts)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows (`b_rows_streamed`)
+STREAM_PATTERN = 512  # outputs a rank's coefficient pattern covers there (alternating parts)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
@@ -130,27 +131,37 @@ def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
 
 
 @numba.njit(**_KW)
-def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1, cols):
-    """y[:, o0:o1] (o0 a multiple of `cols`) for each token rank by rank: the token's B rows are read once each,
-    front to back, one stream (`b_blocks` reads a block of every rank's row at once: R streams, which the
-    prefetchers follow poorly when the tables come from memory, as a decode step's do). Each output sums its rank
-    terms in `b_blocks`' order (from zero, ranks in order), so a token's result is the same on either path."""
+def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
+    """y[:, o0:o1] for each token rank by rank: the token's B rows are read once each, front to back, one stream
+    (`b_blocks` reads a block of every rank's row at once: R streams, which the prefetchers follow poorly when the
+    tables come from memory, as a decode step's do), each rank's term added over runs of outputs of one part (a
+    row of o or down is one run, q/k/v's a run per head group and part) or, for gate/up's alternating outputs,
+    over STREAM_PATTERN outputs at a time (the loops long: per short block, a 64-output loop ran at a third of the
+    first pass's rate). Each output sums its rank terms in `b_blocks`' order (from zero, ranks in order), so a
+    token's result is the same on either path."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
-    n_blocks = (out + cols - 1) // cols
     part = np.zeros(out, np.int32)
-    block_part = np.zeros(n_blocks, np.int32)  # the part of a block's outputs, -1: several
     if alternating:
         for o in range(out):
             part[o] = (o0 + o) % 2
     elif parts_p != 0:
         for o in range(out):
             part[o] = load32(parts_p + 4 * (o0 + o))
-    for k in range(n_blocks):
-        seg = part[k * cols:min(out, (k + 1) * cols)]
-        block_part[k] = seg[0] if seg.min() == seg.max() else -1
-    whole = alternating and out % PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: one pattern of a rank's two
-    pattern = np.empty(PATTERN, np.float32)
+    whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
+    runs = np.zeros((max(out, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
+    n_runs = 0
+    if alternating and not whole:
+        runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, -1
+        n_runs = 1
+    elif not whole:
+        start = 0
+        for o in range(1, out + 1):
+            if o == out or part[o] != part[start]:
+                runs[n_runs, 0], runs[n_runs, 1], runs[n_runs, 2] = start, o - start, part[start]
+                n_runs += 1
+                start = o
+    pattern = np.empty(STREAM_PATTERN, np.float32)
     for tok in range(y.shape[0]):
         s = slots[tok]
         row = y[tok, o0:o1]
@@ -161,20 +172,18 @@ def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1, cols):
             bt = b[s, r, o0:o1]
             if whole:
                 c0, c1 = u[tok, r], u[tok, rank + r]
-                for o in range(PATTERN):
+                for o in range(STREAM_PATTERN):
                     pattern[o] = c1 if o & 1 else c0
-                for k in range(out // PATTERN):
-                    row_k = row[k * PATTERN:(k + 1) * PATTERN]
-                    bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
-                    for o in range(PATTERN):
+                for k in range(out // STREAM_PATTERN):
+                    row_k = row[k * STREAM_PATTERN:(k + 1) * STREAM_PATTERN]
+                    bt_k = bt[k * STREAM_PATTERN:(k + 1) * STREAM_PATTERN]
+                    for o in range(STREAM_PATTERN):
                         row_k[o] += pattern[o] * widen(bt_k[o])
                 continue
-            for k in range(n_blocks):
-                start = k * cols
-                n = min(out, start + cols) - start
+            for k in range(n_runs):
+                start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
                 row_k = row[start:start + n]
                 bt_k = bt[start:start + n]
-                p = block_part[k]
                 if p >= 0:
                     coef = u[tok, p * rank + r]
                     for o in range(n):
@@ -231,7 +240,7 @@ def b_rows(words, chunk, table_type):
     streamed = load64(words + 112)  # outputs per chunk of a few tokens' streamed pass, 0: blocked
     if streamed:
         o0 = chunk * streamed
-        b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + streamed), cols)
+        b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + streamed))
     else:
         o0 = chunk * cols
         b_blocks(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
@@ -301,7 +310,8 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
         parts_p = 0
     cols = _cols(alternating)
     blocks = (o + cols - 1) // cols
-    streamed = 0 if t > STREAMED_TOKENS else cols * ((blocks + workers() - 1) // workers())
+    unit = STREAM_PATTERN if alternating else cols  # a streamed chunk's outputs: whole patterns
+    streamed = 0 if t > STREAMED_TOKENS else unit * (((o + unit - 1) // unit + workers() - 1) // workers())
     words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), streamed)
     x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count,
                                      table_type)
@@ -311,7 +321,7 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), a_chunk, True)
     if t * o * rank <= SERIAL_MACS:
-        b_rows_streamed(b, parts_p, alternating, slots, u, y, 0, o, cols)
+        b_rows_streamed(b, parts_p, alternating, slots, u, y, 0, o)
     elif streamed:
         launch(frame, words, (o + streamed - 1) // streamed, b_chunk, True)
     else:
