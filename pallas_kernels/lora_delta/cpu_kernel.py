@@ -5,7 +5,8 @@ own slot: tokens that share an adapter read its rows from cache); then, by block
 is one multiply-add over a block's contiguous outputs (a vector loop; gate/up's alternating outputs take each
 rank's two coefficients laid out as the parts alternate, and any other block holding several parts of a fused
 layer sums each part over the block and keeps each output's own). Summed as 16-long dots per (token, output)
-instead, the pass ran at ~1 GMAC/s. A token without an adapter gets exact zeros.
+instead, the pass ran at ~1 GMAC/s. A step of a few tokens (a decode step) streams each token's B rows instead
+(`b_rows_streamed`), which reads the tables from memory faster. A token without an adapter gets exact zeros.
 Each element's sums run in a fixed order over its own token's values, so a token's result does not depend on the
 others or on the thread split.
 Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
@@ -149,7 +150,7 @@ def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
         for o in range(out):
             part[o] = load32(parts_p + 4 * (o0 + o))
     whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
-    runs = np.zeros((max(out, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
+    runs = np.empty((max(out, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
     n_runs = 0
     if alternating and not whole:
         runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, -1
