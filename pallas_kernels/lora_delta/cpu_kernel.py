@@ -142,14 +142,14 @@ def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
     token's result is the same on either path."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
-    part = np.zeros(out, np.int32)
-    if alternating:
+    whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
+    part = np.zeros(out, np.int32)  # (the pattern needs none)
+    if alternating and not whole:
         for o in range(out):
             part[o] = (o0 + o) % 2
     elif parts_p != 0:
         for o in range(out):
             part[o] = load32(parts_p + 4 * (o0 + o))
-    whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
     runs = np.empty((max(out, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
     n_runs = 0
     if alternating and not whole:
