@@ -402,7 +402,7 @@ def part_roofline(s: Sizes, device: Device | None, profile_dir: str | None, save
             save(part)
         if time.perf_counter() < DEADLINE:
             fresh = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, s.prompt_len).tolist()}
-                     for _ in range(max(1, s.engine["max_num_batched_tokens"] // s.prompt_len))]
+                     for _ in range(max(1, min(top, s.engine["max_num_batched_tokens"] // s.prompt_len)))]
             part["profiles"]["prefill"] = _profile_prefill(llm, fresh, Path(profile_dir) / "prefill")
             _log("profiled prefill")
     stats = jax.devices()[0].memory_stats() or {}
