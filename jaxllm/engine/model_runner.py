@@ -24,6 +24,7 @@ from jaxllm.engine import compile_monitor, prompt_logprobs
 from jaxllm.engine.encoder_cache import EncoderCache
 from jaxllm.engine.encoder_runner import EncoderRunner
 from jaxllm.engine.executable_cache import ExecutableCache
+from jaxllm.engine.input_packing import InputPacker
 from jaxllm.engine.sampling_inputs import SamplingInputs
 from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Sequence
@@ -122,7 +123,13 @@ class ModelRunner:
         self._leader = self._codec = self._watchdog = None  # multi-host rank 0: inputs go to the other hosts first
         self.abstract_params = [_abstract(p) for p in self.params]
         self.abstract_caches = abstract_kv_cache(*cache_args)
-        jitted = jax.jit(functools.partial(step_function, graphdef, state_def, generates, pools), donate_argnums=(1,))
+        # A step's small host inputs travel as one array (`input_packing`): the step takes them apart.
+        self.packer = InputPacker(lambda bucket: self.inputs.build(ScheduledStep([], []), bucket).inputs, self.buckets)
+        step = functools.partial(step_function, graphdef, state_def, generates, pools)
+
+        def packed_step(params, caches, packed, rest):
+            return step(params, caches, self.packer.unpack(packed, rest))
+        jitted = jax.jit(packed_step, donate_argnums=(1,))
         self.executables = StepExecutables(jitted, self.abstract_args, graphdef,
                                            step_compiler_options(model.kernels.platform), executable_cache)
 
@@ -148,8 +155,10 @@ class ModelRunner:
         return self._caches
 
     def abstract_args(self, bucket: tuple[int, int]) -> tuple:
-        """What the step executable of `bucket` is lowered against: (weights, caches, inputs), abstract."""
-        return self.abstract_params, self.abstract_caches, self.inputs.build(ScheduledStep([], []), bucket).inputs
+        """What the step executable of `bucket` is lowered against: (weights, caches, packed inputs, the other
+        inputs), abstract (`input_packing`)."""
+        template = self.inputs.build(ScheduledStep([], []), bucket).inputs
+        return self.abstract_params, self.abstract_caches, *self.packer.abstract(bucket, template)
 
     # -- executables (`StepExecutables`)
     @property
@@ -271,7 +280,7 @@ class ModelRunner:
         """Runs `bucket`'s executable on prepared inputs (a follower host gets them from rank 0); returns the
         sampler's packed outputs and the pooling outputs (device arrays; `wait`: once computed)."""
         run = self.executables.get(bucket)
-        self._caches, *out = run(self.params, self.caches, inputs)
+        self._caches, *out = run(self.params, self.caches, *self.packer.pack(bucket, inputs))
         if wait or self.executables.first_run_pending(bucket):  # a fresh executable is saved after its first run
             jax.block_until_ready(out)
             self.executables.saved_after_run(bucket)
