@@ -3,11 +3,10 @@
 sent as one array, and taken apart inside the step (static slices and bitcasts, which XLA fuses into their
 consumers or materialises once a step).
 
-Why: each host array passed to a jitted call is its own host-to-device transfer, with its own buffer and events.
-On an H100 host a call with a batch-1 decode step's 24 host leaves dispatched in 952 us against 231 us for the same
-bytes in one array (106 us with the leaves already on the device; `benchmarks/dispatch_args.py`), and the 8B
-batch-1 step is bound by its host's dispatch in some processes (`benchmarks/results/device_check_h100_ab.json`,
-run 9).
+Why: each host array passed to a jitted call is its own host-to-device transfer, with its own buffer and events,
+and on a GPU host those cost a decode step several times what one array of the same bytes does
+(`benchmarks/dispatch_args.py`; figures in docs/performance.md, H100 run 9), where a batch-1 step's host dispatch
+is what it waits for.
 
 Which leaves: those the bucket's empty step builds on the host, except the token ids (a step dispatched before
 the previous one is read back takes them from the device). Leaves that are device-resident constants in a step
