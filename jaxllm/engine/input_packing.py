@@ -17,6 +17,7 @@ they are, constant or not, so a bucket has one executable whatever its steps ask
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -37,6 +38,11 @@ class Slot:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def padding(self) -> bytes:
+        """The zero bytes after the leaf's, up to the next slot's ALIGN boundary."""
+        return bytes(-self.nbytes % ALIGN)
+
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
@@ -45,6 +51,16 @@ class Layout:
     slots: tuple[Slot, ...]  # the packed ones
     nbytes: int  # the buffer's size (a multiple of ALIGN)
     rest: tuple[tuple[tuple[int, ...], np.dtype], ...]  # the others' shapes and dtypes, in order
+
+    @functools.cached_property
+    def paddings(self) -> tuple[bytes, ...]:
+        return tuple(slot.padding for slot in self.slots)
+
+    @functools.cached_property
+    def unpacked(self) -> tuple[int, ...]:
+        """The positions of the leaves that pass as they are."""
+        packed = {slot.index for slot in self.slots}
+        return tuple(i for i in range(self.count) if i not in packed)
 
 
 def layout_of(template) -> Layout:
@@ -78,17 +94,15 @@ class InputPacker:
         leaves, treedef = jax.tree.flatten(inputs)
         if treedef != layout.treedef:
             raise TypeError(f"step inputs of bucket {bucket} are {treedef}, not {layout.treedef}")
-        buffer = np.zeros(layout.nbytes, np.uint8)
-        packed = set()
-        for slot in layout.slots:
+        parts = []  # one bytes object per leaf and its padding, joined once: a step's host cost is per call
+        for slot, padding in zip(layout.slots, layout.paddings, strict=True):
             leaf = leaves[slot.index]
-            if not isinstance(leaf, np.ndarray | np.generic) or np.shape(leaf) != slot.shape:
+            if not isinstance(leaf, np.ndarray | np.generic) or leaf.shape != slot.shape:
                 raise TypeError(f"step input {slot.index} of bucket {bucket} is {type(leaf).__name__} "
                                 f"{np.shape(leaf)}, not the host array {slot.shape} its layout packs")
-            buffer[slot.offset:slot.offset + slot.nbytes] = np.ascontiguousarray(leaf, slot.dtype).reshape(-1).view(
-                np.uint8)
-            packed.add(slot.index)
-        return buffer, tuple(leaf for i, leaf in enumerate(leaves) if i not in packed)
+            parts += (leaf.tobytes() if leaf.dtype == slot.dtype else leaf.astype(slot.dtype).tobytes(), padding)
+        buffer = np.frombuffer(b"".join(parts) or bytes(layout.nbytes), np.uint8)
+        return buffer, tuple(leaves[i] for i in layout.unpacked)
 
     def abstract(self, bucket: tuple[int, int], inputs) -> tuple[jax.ShapeDtypeStruct, tuple]:
         """What `pack` gives, abstract."""
