@@ -107,10 +107,8 @@ class InputPacker:
     def abstract(self, bucket: tuple[int, int], inputs) -> tuple[jax.ShapeDtypeStruct, tuple]:
         """What `pack` gives, abstract."""
         layout = self.layout(bucket)
-        packed = {slot.index for slot in layout.slots}
         leaves = jax.tree.leaves(inputs)
-        return (jax.ShapeDtypeStruct((layout.nbytes,), np.uint8),
-                tuple(leaf for i, leaf in enumerate(leaves) if i not in packed))
+        return jax.ShapeDtypeStruct((layout.nbytes,), np.uint8), tuple(leaves[i] for i in layout.unpacked)
 
     def unpack(self, buffer: jax.Array, rest: tuple):
         """Inside the step: the inputs `pack` took apart, whole again (their bucket: the one whose layout has
