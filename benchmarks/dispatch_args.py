@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# a batch-1 decode step's host leaves (shapes and dtypes as `StepInputBuilder.build` makes them at bucket (1, 1))
+# host leaves modelled on a batch-1 decode step's (`StepInputBuilder.build` at bucket (1, 1), the 8B preset's 2,048
+# pages a sequence; not the engine's exact list). The pack and unpack below are this benchmark's own, a model of
+# `jaxllm.engine.input_packing` without an engine to build.
 LEAVES = ([((1,), np.int32)] * 2 + [((1,), np.int32), ((2,), np.int32), ((1, 2048), np.int32), ((1,), np.int32),
                                       ((1,), np.int32)]
           + [((1,), np.float32), ((1,), np.int32)] + [((1,), np.float32)] * 5 + [((1, 2), np.uint32)]

@@ -38,7 +38,7 @@ class Slot:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def padding(self) -> bytes:
         """The zero bytes after the leaf's, up to the next slot's ALIGN boundary."""
         return bytes(-self.nbytes % ALIGN)
@@ -51,10 +51,6 @@ class Layout:
     slots: tuple[Slot, ...]  # the packed ones
     nbytes: int  # the buffer's size (a multiple of ALIGN)
     rest: tuple[tuple[tuple[int, ...], np.dtype], ...]  # the others' shapes and dtypes, in order
-
-    @functools.cached_property
-    def paddings(self) -> tuple[bytes, ...]:
-        return tuple(slot.padding for slot in self.slots)
 
     @functools.cached_property
     def unpacked(self) -> tuple[int, ...]:
@@ -73,7 +69,7 @@ def layout_of(template) -> Layout:
             continue
         slot = Slot(index, at, tuple(np.shape(leaf)), np.dtype(leaf.dtype))
         slots.append(slot)
-        at += -(-slot.nbytes // ALIGN) * ALIGN
+        at += slot.nbytes + len(slot.padding)
     return Layout(treedef, len(leaves), tuple(slots), max(at, ALIGN), tuple(rest))
 
 
@@ -95,12 +91,12 @@ class InputPacker:
         if treedef != layout.treedef:
             raise TypeError(f"step inputs of bucket {bucket} are {treedef}, not {layout.treedef}")
         parts = []  # one bytes object per leaf and its padding, joined once: a step's host cost is per call
-        for slot, padding in zip(layout.slots, layout.paddings, strict=True):
+        for slot in layout.slots:
             leaf = leaves[slot.index]
             if not isinstance(leaf, np.ndarray | np.generic) or leaf.shape != slot.shape:
                 raise TypeError(f"step input {slot.index} of bucket {bucket} is {type(leaf).__name__} "
                                 f"{np.shape(leaf)}, not the host array {slot.shape} its layout packs")
-            parts += (leaf.tobytes() if leaf.dtype == slot.dtype else leaf.astype(slot.dtype).tobytes(), padding)
+            parts += (leaf.tobytes() if leaf.dtype == slot.dtype else leaf.astype(slot.dtype).tobytes(), slot.padding)
         buffer = np.frombuffer(b"".join(parts) or bytes(layout.nbytes), np.uint8)
         return buffer, tuple(leaves[i] for i in layout.unpacked)
 
@@ -114,8 +110,8 @@ class InputPacker:
         """Inside the step: the inputs `pack` took apart, whole again (their bucket: the one whose layout has
         these shapes)."""
         shapes = tuple((tuple(x.shape), np.dtype(x.dtype)) for x in rest)
-        matches = {self.layout(b) for b in self.buckets
-                   if self.layout(b).nbytes == buffer.shape[0] and self.layout(b).rest == shapes}
+        matches = {layout for layout in map(self.layout, self.buckets)
+                   if layout.nbytes == buffer.shape[0] and layout.rest == shapes}
         if len(matches) != 1:
             raise ValueError(f"{len(matches)} buckets' layouts match packed inputs of {buffer.shape[0]} bytes and "
                              f"leaves {shapes}")
