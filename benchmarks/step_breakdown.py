@@ -57,12 +57,12 @@ def _load_trace(trace_dir: str) -> list[dict]:
         return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
 
 
-def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float]) -> dict[str, float]:
-    """Per-step milliseconds of each part (medians over steps)."""
+def breakdown(events: list[dict], kinds: dict[str, str], walls: list[float], module: str) -> dict[str, float]:
+    """Per-step milliseconds of each part (medians over steps); module: the step executable's HLO module name."""
     runs: dict[str, list[dict]] = collections.defaultdict(list)
     for e in events:
         args = e.get("args") or {}
-        if args.get("hlo_module") == "jit_step_function" and "run_id" in args:
+        if args.get("hlo_module") == module and "run_id" in args:
             runs[args["run_id"]].append(e)
     per_run = []
     for ops in runs.values():
@@ -111,7 +111,8 @@ def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: st
     for _ in range(4):
         engine.step()
     bucket = engine.runner.bucket_for(batch, batch)
-    kinds = op_kinds(engine.runner.build(bucket).as_text())
+    text = engine.runner.build(bucket).as_text()
+    kinds, module = op_kinds(text), re.match(r"HloModule ([^\s,]+)", text).group(1)
     walls = []
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
@@ -121,7 +122,7 @@ def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: st
             walls.append(time.perf_counter() - start)
         jax.profiler.stop_trace()
         events = _load_trace(trace_dir)
-    result = breakdown(events, kinds, walls)
+    result = breakdown(events, kinds, walls, module)
     result.update(batch=batch, bucket=list(bucket), quantization=quantization or "default",
                   kv_cache_dtype=jax.numpy.dtype(engine.kv_cache_dtype).name)
     return result

@@ -12,9 +12,10 @@ The arithmetic, for output (row r, input t), is the same on every path, for ever
 - the accumulator summed by a fixed tree.
 Unsigned weights (4-bit, 0..15) meet the activations as they are; signed 8-bit weights as ``w + 128`` with the lanes
 started at ``-128 * (x's lane sums)`` on VNNI, as |w| against x with w's sign on AVX2 (so every int16 pair stays
-under 2 * 128 * 127): the same lanes. A decode step (one input) and bigger steps run the same code: 4 weight rows
-are unpacked once per pair and meet up to TOKS inputs, whose blocks are shared by the 4 rows. Memory traffic is
-the packed weights and the int8 inputs; the kernel quantizes the inputs itself (`_quantize_row`) first."""
+under 2 * 128 * 127): the same lanes. A decode step (one input) and bigger steps run the same code on blocks of
+weight rows and inputs (`BLOCKS`): a row's values are unpacked once per pair and meet every input of the block.
+Memory traffic is the packed weights and the int8 inputs; the kernel quantizes the inputs itself (`_quantize_row`)
+first."""
 
 from __future__ import annotations
 
@@ -355,7 +356,12 @@ def _chunk_args(words, chunk):
             load64(words + 88), load64(words + 96), r0, min(o, r0 + ROWS_PER_CHUNK))
 
 
-TOKS = 2  # inputs per pass over 4 weight rows: 4 spilled a quarter of the AVX-512 loop's registers
+# (weight rows, inputs) a pass of a step with several inputs: every pair of them gets a 16-lane accumulator, two
+# registers on 256-bit paths, which have 16: 4 rows x 2 inputs spilled a third of the AVX2 loop's instructions
+# (1 x 4: a row's unpacked values meet 4 inputs). On AVX-512 (32 registers), 4 x 4 spilled a quarter of them.
+# A decode step (one input) runs 4 rows a pass on every path: four weight streams in flight. The blocking never
+# changes a result: each lane's accumulation is the same whatever the pass holds.
+BLOCKS = {"vnni512": (4, 2), "vnni256": (1, 4), "avx2": (1, 4)}
 PREFETCH_ROWS = 16
 X_BLOCK_BYTES = 1 << 17
 
@@ -364,10 +370,10 @@ def _chunk(isa, bits, half):
     """The loop over a chunk's output rows for one instruction set and data layout: ``chunk(words, c)``, a numba
     cfunc's body. Its closure holds only intrinsics, which numba's disk cache keys by their definitions (a
     dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache entry, every process)."""
-    toks = TOKS
+    rows_many, toks = BLOCKS[isa]
     kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
         ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
-    variants = [(m, off, r, t) for m, off in kinds for r in (4, 1) for t in (toks, 1)]
+    variants = [(m, off, r, t) for m, off in kinds for r, t in ((4, 1), (rows_many, toks), (1, toks), (1, 1))]
     dots = _dots(isa, bits, half, variants)
 
     def chunk(words, c):
@@ -396,7 +402,8 @@ def _chunk(isa, bits, half):
             t1 = min(t, t0 + block)
             r = r0
             while r < r1:
-                rows = 4 if r + 4 <= r1 else 1
+                rows = 4 if t == 1 else rows_many
+                rows = rows if r + rows <= r1 else 1
                 if t == 1:
                     ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
                     if ahead + 4 <= o:
@@ -410,7 +417,10 @@ def _chunk(isa, bits, half):
                 tok = t0
                 while tok < t1:
                     many = tok + toks <= t1
-                    variant = 4 * kind + (0 if rows == 4 else 2) + (0 if many else 1)
+                    if many:
+                        variant = 4 * kind + (1 if rows == rows_many else 2)
+                    else:
+                        variant = 4 * kind + (0 if rows == 4 else 3)
                     dots(variant, data + r * p, p, scale + r * groups * size, offset + r * groups * size,
                          groups * size, xq + tok * n, n, xd + tok * blocks * 4, xs + tok * blocks * 4, blocks * 4, n,
                          group, y + 4 * (tok * o + r), 4 * o)
