@@ -156,7 +156,8 @@ def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
         return x, None
 
     def weights_of(k, p):
-        """Row k's 64 values of pair p as unsigned bytes, and which were negative (avx2's 8-bit)."""
+        """Row k's 64 values of pair p as unsigned bytes, and (avx2's 8-bit) the signed values whose signs the
+        inputs take."""
         row = b.add(data, b.mul(_c(k), data_stride))
         if bits == 4:
             raw = _load(b, row, ir.VectorType(_I8, 32), b.mul(p, _c(32)))
@@ -166,16 +167,17 @@ def _emit_dots(b, isa, bits, half, scale_mode, off_mode, rows, toks, args):
                                                    *range(48, 64)])), None
         w = _load(b, row, _VB, b.mul(p, _c(64)))
         if isa == "avx2":  # |w| against x with w's sign: int16 pairs stay under 2 * 128 * 127
-            negative = b.icmp_signed("<", w, ir.Constant(_VB, [0] * 64))
-            return b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), w), w), negative
+            return b.call(_fn(b, "llvm.abs.v64i8", _VB, [_VB, ir.IntType(1)]), [w, ir.Constant(ir.IntType(1), 0)]), w
         # w + 128 (unsigned) against x, lanes started at -128 * (x's lane sums): the same lanes
         return b.xor(w, ir.Constant(_VB, [-128] * 64)), None
 
     def accumulate(k, p, j, u, negative, s, acc):
         """acc + the lanes of row k . input j over pair p, times s (the lanes' w_scale * x_d)."""
         x, start = x_of(p, j)
-        if negative is not None:
-            x = b.select(negative, b.sub(ir.Constant(_VB, [0] * 64), x), x)
+        if negative is not None:  # x's sign turned by w's (vpsignb: 0 where w is, but |w| is 0 there too)
+            v32 = ir.VectorType(_I8, 32)
+            x = _join(b, [b.call(_fn(b, "llvm.x86.avx2.psign.b", v32, [v32, v32]), [xh, wh])
+                          for xh, wh in zip(_split(b, x, 2), _split(b, negative, 2), strict=True)])
         return ir_fma16(b, b.sitofp(_lanes(b, isa, u, x, start), _V), s, acc)
 
     def row_scales(k, base, first, pairs):
