@@ -359,10 +359,11 @@ def _chunk_args(words, chunk):
 
 
 # (weight rows, inputs) a pass of a step with several inputs: every pair of them gets a 16-lane accumulator, two
-# registers on 256-bit paths, which have 16: 4 rows x 2 inputs spilled a third of the AVX2 loop's instructions
-# (1 x 4: a row's unpacked values meet 4 inputs). On AVX-512 (32 registers), 4 x 4 spilled a quarter of them.
-# A decode step (one input) runs 4 rows a pass on every path: four weight streams in flight. The blocking never
-# changes a result: each lane's accumulation is the same whatever the pass holds.
+# registers on 256-bit paths, which have 16: with 4 rows x 2 inputs a quarter of the AVX2 loop's instructions
+# were spills and reloads (1 x 4: a row's unpacked values meet 4 inputs; vnni256 by the same count, unmeasured).
+# On AVX-512 (32 registers), 4 x 4 spilled a quarter of them. A decode step (one input) runs 4 rows a pass on
+# every path: four weight streams in flight. The blocking never changes a result: each lane's accumulation is the
+# same whatever the pass holds.
 BLOCKS = {"vnni512": (4, 2), "vnni256": (1, 4), "avx2": (1, 4)}
 PREFETCH_ROWS = 16
 X_BLOCK_BYTES = 1 << 17
