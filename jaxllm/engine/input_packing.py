@@ -79,9 +79,10 @@ class InputPacker:
         self._template_of, self.buckets = template_of, list(buckets)
         self._layouts: dict[tuple[int, int], Layout] = {}
 
-    def layout(self, bucket: tuple[int, int]) -> Layout:
+    def layout(self, bucket: tuple[int, int], template=None) -> Layout:
+        """template: the bucket's empty-step inputs if the caller has them (else built by `template_of`)."""
         if (layout := self._layouts.get(bucket)) is None:
-            layout = self._layouts[bucket] = layout_of(self._template_of(bucket))
+            layout = self._layouts[bucket] = layout_of(self._template_of(bucket) if template is None else template)
         return layout
 
     def pack(self, bucket: tuple[int, int], inputs) -> tuple[np.ndarray, tuple]:
@@ -101,8 +102,8 @@ class InputPacker:
         return buffer, tuple(leaves[i] for i in layout.unpacked)
 
     def abstract(self, bucket: tuple[int, int], inputs) -> tuple[jax.ShapeDtypeStruct, tuple]:
-        """What `pack` gives, abstract."""
-        layout = self.layout(bucket)
+        """What `pack` gives, abstract (inputs: the bucket's empty step, as `abstract_args` has it)."""
+        layout = self.layout(bucket, inputs)
         leaves = jax.tree.leaves(inputs)
         return jax.ShapeDtypeStruct((layout.nbytes,), np.uint8), tuple(leaves[i] for i in layout.unpacked)
 

@@ -376,7 +376,11 @@ def _chunk(isa, bits, half):
     rows_many, toks = BLOCKS[isa]
     kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
         ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
-    variants = [(m, off, r, t) for m, off in kinds for r, t in ((4, 1), (rows_many, toks), (1, toks), (1, 1))]
+    # the passes a chunk runs, each compiled once (on 256-bit paths the block is itself a row's pass of toks)
+    shapes = tuple(dict.fromkeys(((4, 1), (rows_many, toks), (1, toks), (1, 1))))
+    per_kind = len(shapes)
+    four, blocked, row_of_many, single = (shapes.index(s) for s in ((4, 1), (rows_many, toks), (1, toks), (1, 1)))
+    variants = [(m, off, r, t) for m, off in kinds for r, t in shapes]
     dots = _dots(isa, bits, half, variants)
 
     def chunk(words, c):
@@ -421,9 +425,9 @@ def _chunk(isa, bits, half):
                 while tok < t1:
                     many = tok + toks <= t1
                     if many:
-                        variant = 4 * kind + (1 if rows == rows_many else 2)
+                        variant = per_kind * kind + (blocked if rows == rows_many else row_of_many)
                     else:
-                        variant = 4 * kind + (0 if rows == 4 else 3)
+                        variant = per_kind * kind + (four if rows == 4 else single)
                     dots(variant, data + r * p, p, scale + r * groups * size, offset + r * groups * size,
                          groups * size, xq + tok * n, n, xd + tok * blocks * 4, xs + tok * blocks * 4, blocks * 4, n,
                          group, y + 4 * (tok * o + r), 4 * o)
