@@ -147,25 +147,32 @@ def _per_device(step: Callable, mesh: Mesh) -> Callable:
     heads, cache, whole = P(None, TP_AXIS, None), P(TP_AXIS, None, None, None), P()
 
     def run(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *,
-            sliding_window=None, **options):
-        # The window may be a layer's traced value: an input of its own (replicated), not a closed-over tracer.
-        windows = () if sliding_window is None else (jnp.asarray(sliding_window, jnp.int32),)
+            sliding_window=None, sinks=None, **options):
+        # The window and the sinks may be a layer's traced values: inputs of their own (the window replicated,
+        # the sinks split with their heads), not closed-over tracers.
+        extra = {name: value for name, value in (("sliding_window", sliding_window), ("sinks", sinks))
+                 if value is not None}
+        if "sliding_window" in extra:
+            extra["sliding_window"] = jnp.asarray(sliding_window, jnp.int32)
+        names = tuple(extra)
 
         def body(*args):
-            return step(*args[:9], sliding_window=args[9] if windows else None, **options)
+            return step(*args[:9], **dict(zip(names, args[9:], strict=True)), **options)
         # check_vma off: a Pallas call inside shard_map does not declare how its outputs vary over the mesh.
+        specs = {"sliding_window": whole, "sinks": P(TP_AXIS)}
         per_device = jax.shard_map(body, mesh=mesh, check_vma=False,
                                    in_specs=(heads, heads, heads, cache, cache, whole, whole, whole, whole) +
-                                   (whole,) * len(windows), out_specs=(heads, cache, cache))
-        return per_device(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc, *windows)
+                                   tuple(specs[name] for name in names), out_specs=(heads, cache, cache))
+        return per_device(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables, query_start_loc,
+                          *extra.values())
     return run
 
 
 @functools.cache
 def attention_kernel(kernels: Kernels) -> Callable:
     """The paged attention step: ``(q, k, v, k_cache, v_cache, slot_mapping, kv_lens, block_tables,
-    query_start_loc, *, sm_scale, sliding_window) -> (out, k_cache, v_cache)``: writes the step's K/V into the
-    cache, then attends."""
+    query_start_loc, *, sm_scale, sliding_window, soft_cap, sinks) -> (out, k_cache, v_cache)``: writes the step's
+    K/V into the cache, then attends."""
     if kernels.attention == "reference":
         from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
         return _write_then(ragged_paged_attention)

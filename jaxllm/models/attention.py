@@ -19,8 +19,9 @@ from jaxllm.models.layers import Linear, RMSNorm
 from jaxllm.models.rope import apply_rope
 
 
-def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None, soft_cap=None):
-    """q [B, S, H, D]; k, v [B, S, KVH, D]; valid [B, S] (False = padding); positions [B, S]."""
+def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_window=None, soft_cap=None, sinks=None):
+    """q [B, S, H, D]; k, v [B, S, KVH, D]; valid [B, S] (False = padding); positions [B, S]; sinks [H]: each head's
+    sink logit, one more column of every softmax whose value is zero (GPT-OSS)."""
     b, s, h, d = q.shape
     kvh = k.shape[2]
     qg = q.astype(jnp.float32).reshape(b, s, kvh, h // kvh, d) * sm_scale
@@ -31,7 +32,11 @@ def dense_causal_attention(q, k, v, *, valid, positions, sm_scale, sliding_windo
     if sliding_window is not None:
         mask &= positions[:, None, :] > positions[:, :, None] - sliding_window
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, kvh, h // kvh, 1, 1), (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
     probs = jnp.where(mask[:, None, None], probs, 0.0)  # rows of padding tokens are all -inf: NaN otherwise
     out = jnp.einsum("bkgqc,bckd->bqkgd", probs, v.astype(jnp.float32))
     return out.reshape(b, s, h, d).astype(q.dtype)

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.reference import default_block_q
 
+NEG = -3.0e38  # `cpu_kernel.NEG`: a sink of "none" (cpu_kernel imports numba; this module must not)
+
 TARGET = "jaxllm_cpu_ragged_paged_attention"
 MAX_BLOCK_Q = 16
 CACHE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
@@ -48,6 +50,7 @@ def write_and_attend(
     sm_scale: float,
     sliding_window: int | jax.Array | None = None,  # an int, or a traced int32 scalar (per layer)
     soft_cap: float | None = None,
+    sinks: jax.Array | None = None,  # [num_heads]: each q head's sink logit
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # out [T, num_heads, head_dim], k_cache, v_cache
     """One custom call writes the step's K/V into the caches in place (outputs aliased to the donated cache
     inputs: no copy, and no per-layer scatter ops) and attends."""
@@ -60,10 +63,12 @@ def write_and_attend(
     window = 0 if sliding_window is None else sliding_window  # the kernel reads <= 0 as none
     params = jnp.array([sm_scale, window, soft_cap or 0.0, block_q], jnp.float32)
     f32, i32, kv = jnp.float32, jnp.int32, k_cache.dtype
+    # no sinks: the kernel's "none" value, which leaves every output as it was bit for bit
+    sinks = jnp.full((h,), NEG, f32) if sinks is None else sinks.astype(f32)
     call = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((t, h, d), f32), jax.ShapeDtypeStruct(k_cache.shape, kv),
                                      jax.ShapeDtypeStruct(v_cache.shape, kv)), input_output_aliases={5: 1, 6: 2})
     # the new K/V rounded to the cache's type by XLA (as the reference's scatter does), copied in by the kernel
     out, k_cache, v_cache = call(params, q.astype(f32), k.astype(kv), v.astype(kv), slot_mapping.astype(i32),
                                  k_cache, v_cache, kv_lens.astype(i32), block_tables.astype(i32),
-                                 query_start_loc.astype(i32))
+                                 query_start_loc.astype(i32), sinks)
     return out.astype(q.dtype), k_cache, v_cache

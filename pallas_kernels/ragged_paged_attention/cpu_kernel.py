@@ -11,7 +11,8 @@ Caches hold float32, float16 or bfloat16 values; 16-bit values are widened to fl
 the bytes a step streams, and decode attention is bound by them). numba has no 16-bit float types, so the kernel
 sees 16-bit caches as integer arrays whose type names the format: uint16 for float16 bits, int16 for bfloat16 bits
 (`pallas_kernels.cpu_ffi.widen`). Numerics match the reference (float32 accumulation, the same online-softmax
-algebra, the same widened values).
+algebra, the same widened values). Attention sinks (a logit per q head, `NEG` for none) are folded into each row's
+softmax once, after its keys (`_with_sink`), as the reference does.
 """
 
 from __future__ import annotations
@@ -81,6 +82,17 @@ def _exp(x):
     c0, c1, c2, c3, c4, c5 = EXP_POLY
     poly = (((((c0 * r + c1) * r + c2) * r + c3) * r + c4) * r + c5) * r * r + r + np.float32(1.0)
     return poly * _float_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+@numba.njit(inline="always", **_KW)
+def _with_sink(m, total, sink):
+    """(running max, sum) -> (the sum with one more key of score `sink` and value zero, the factor the unnormalised
+    accumulator takes); sink `NEG`: none, (total, 1)."""
+    if sink <= NEG:
+        return total, np.float32(1.0)
+    m_new = max(m, sink)
+    alpha = _exp(m - m_new)
+    return total * alpha + _exp(sink - m_new), alpha
 
 
 @numba.njit(inline="always", **_KW)
@@ -162,11 +174,12 @@ def _prefetch_page(k_cache, v_cache, kh, page):
 
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                 block_q, s, kh, b0, g0, g1, lo, hi, slot, partials):
+                 sinks, block_q, s, kh, b0, g0, g1, lo, hi, slot, partials):
     """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group, over
     the keys at positions ``lo .. hi`` (page-aligned). slot < 0: the normalised result into ``out``; else the
     unnormalised accumulator, running max and sum into ``partials[slot]`` ([rows, D + 2]) for `merge_chunks`.
-    q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"."""
+    q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"; sinks [H] (`NEG`:
+    none), folded in here or by `merge_chunks`."""
     h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
     group = g1 - g0  # the heads this item computes
@@ -212,13 +225,14 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     for r in range(rows):
         tok = q0 + b0 + r // group
         head = first_head + r % group
-        inv = np.float32(1.0) / l[r] if l[r] > 0 else np.float32(0.0)
+        total, alpha = _with_sink(m[r], l[r], sinks[head])
+        inv = alpha / total if total > 0 else np.float32(0.0)
         for x in range(d):
             out[tok, head, x] = acc[r, x] * inv
 
 
 @numba.njit(**_KW)
-def merge_chunks(partials, merges, q_shape_h, kvh, query_start_loc, block_q, out):
+def merge_chunks(partials, merges, q_shape_h, kvh, query_start_loc, block_q, sinks, out):
     """Each split item's chunks (``merges`` rows: sequence, KV head, block start, first and end q head, first slot,
     chunks), combined in chunk order: every output then depends only on its own sequence, never on the batch or
     the threads."""
@@ -247,7 +261,8 @@ def merge_chunks(partials, merges, q_shape_h, kvh, query_start_loc, block_q, out
                 total += part[r, d + 1] * w
                 for x in range(d):
                     out[tok, head, x] += part[r, x] * w
-            inv = np.float32(1.0) / total if total > 0 else np.float32(0.0)
+            total, alpha = _with_sink(m, total, sinks[head])
+            inv = alpha / total if total > 0 else np.float32(0.0)
             for x in range(d):
                 out[tok, head, x] *= inv
 
@@ -356,7 +371,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 @numba.njit(**_KW)
 def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                  block_q, min_items=0):
+                  sinks, block_q, min_items=0):
     """Every work item on the calling thread (tests, and the reference for the threaded runs); ``min_items``
     as in `plan`."""
     kvh = k_cache.shape[0]
@@ -365,16 +380,17 @@ def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, o
     partials = np.empty((slots, block_q * group, q.shape[2] + 2), np.float32)
     for i in range(work.shape[0]):
         attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                     block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4], work[i, 5], work[i, 6],
-                     work[i, 7], partials)
-    merge_chunks(partials, merges, q.shape[1], kvh, query_start_loc, block_q, out)
+                     sinks, block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4], work[i, 5],
+                     work[i, 6], work[i, 7], partials)
+    merge_chunks(partials, merges, q.shape[1], kvh, query_start_loc, block_q, sinks, out)
 
 
 @numba.njit(inline="always", **_KW)
 def run_chunk(words, chunk, cache_type):
     """Work item ``chunk`` of a launch over caches of ``cache_type`` (a `CACHE_TYPES` value); the words are the
     addresses of q, the caches, kv_lens, block_tables, query_start_loc, out, the plan and the scalar parameters,
-    then T, H, D, KVH, pages, page size, sequences and pages per sequence, then the partials' address and slots."""
+    then T, H, D, KVH, pages, page size, sequences and pages per sequence, then the partials' address and slots,
+    then the sinks' address."""
     t, h, d, kvh = load64(words + 72), load64(words + 80), load64(words + 88), load64(words + 96)
     pages, page_size, num_seqs, max_pages = (load64(words + 104), load64(words + 112), load64(words + 120),
                                              load64(words + 128))
@@ -391,8 +407,9 @@ def run_chunk(words, chunk, cache_type):
     block_q = np.int64(params[3])
     partials = carray(to_ptr(load64(words + 136)), (max(1, load64(words + 144)), block_q * (h // kvh), d + 2),
                       dtype=f32)
+    sinks = carray(to_ptr(load64(words + 152)), (h,), dtype=f32)
     attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, params[0], np.int64(params[1]),
-                 params[2], block_q, work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
+                 params[2], sinks, block_q, work[chunk, 0], work[chunk, 1], work[chunk, 2], work[chunk, 3],
                  work[chunk, 4], work[chunk, 5], work[chunk, 6], work[chunk, 7], partials)
 
 
@@ -429,7 +446,7 @@ def _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, cac
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (params, q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
-    query_start_loc), k/v and the caches of one `CACHE_TYPES` type; outputs (out, k_cache, v_cache), the caches
+    query_start_loc, sinks), k/v and the caches of one `CACHE_TYPES` type; outputs (out, k_cache, v_cache), the caches
     aliased to their inputs and updated in place."""
     params_p, _ = buffer(frame, 0)
     q_p, q_d = buffer(frame, 1)
@@ -439,6 +456,7 @@ def _execute(frame):
     lens_p, lens_d = buffer(frame, 7)
     tables_p, tables_d = buffer(frame, 8)
     starts_p, _ = buffer(frame, 9)
+    sinks_p, _ = buffer(frame, 10)
     out_p, _ = buffer(frame, 0, True)
     k_p, k_d = buffer(frame, 1, True)
     v_p, _ = buffer(frame, 2, True)
@@ -464,9 +482,9 @@ def _execute(frame):
                                min_items, page_size, out)
     partials = np.empty((max(1, slots), block_q * (h // kvh), d + 2), np.float32)
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
-                   kvh, pages, page_size, num_seqs, max_pages, np.int64(partials.ctypes.data), slots),
+                   kvh, pages, page_size, num_seqs, max_pages, np.int64(partials.ctypes.data), slots, sinks_p),
            work.shape[0], chunk_fn, False)
-    merge_chunks(partials, merges, h, kvh, starts, block_q, out)
+    merge_chunks(partials, merges, h, kvh, starts, block_q, carray(to_ptr(sinks_p), (h,), dtype=np.float32), out)
     keep_alive(work)  # the chunks read it through its address
     keep_alive(partials)
 

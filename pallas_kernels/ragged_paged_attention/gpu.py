@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels.ragged_paged_attention.blocks import block_seq_ranges
-from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
+from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, fold_sinks
 
 SM_COUNT = 132  # H100 SXM; the split count only needs the order of magnitude (H200: 132, A100: 108)
 MIN_ROWS = 16  # a tensor-core tile's smallest M
@@ -95,8 +95,11 @@ def block_sizes(num_tokens: int, num_seqs: int, num_kv_heads: int, group: int, h
 
 
 def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, window_ref, q_ref, k_ref, v_ref,
-            *out_refs, group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
-            windowed: bool, soft_cap: float | None, normalise: bool):
+            *refs, group: int, block_q: int, max_pages: int, pages_per_iter: int, sm_scale: float,
+            windowed: bool, soft_cap: float | None, normalise: bool, sinks: bool):
+    # refs: with sinks, their [rows] (each row's head's; folded here with one split, by the merge with several),
+    # then the outputs
+    sink_ref, out_refs = (refs[0], refs[1:]) if sinks else (None, refs)
     b, split = pl.program_id(1), pl.program_id(2)
     rows, d = q_ref.shape  # block_q * group real rows, then padding up to the tile's MIN_ROWS
     page_size = k_ref.shape[1]
@@ -165,6 +168,9 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, split_ref, wi
     m, denom, acc = jax.lax.fori_loop(first_ref[0 + b], last_ref[0 + b] + 1, seq_body, init)
     if normalise:
         (o_ref,) = out_refs
+        if sinks:
+            denom, acc = fold_sinks(m[:, None], denom[:, None], acc, sink_ref[...][:, None])
+            denom = denom[:, 0]
         o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
     else:
         o_ref, m_ref, l_ref = out_refs
@@ -191,6 +197,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     sizes: BlockSizes | None = None,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # [num_heads]: each q head's sink logit
 ) -> jax.Array:  # [T, num_heads, head_dim]
     """sizes: the block sizes (default: `block_sizes` for these shapes)."""
     t, h, d = q.shape
@@ -224,8 +231,14 @@ def ragged_paged_attention(
     normalise = splits == 1
     kernel = functools.partial(_kernel, group=gp, block_q=block_q, max_pages=max_pages,
                                pages_per_iter=pages_per_iter, sm_scale=sm_scale,
-                               windowed=sliding_window is not None, soft_cap=soft_cap, normalise=normalise)
+                               windowed=sliding_window is not None, soft_cap=soft_cap, normalise=normalise,
+                               sinks=sinks is not None)
     whole = [pl.BlockSpec(x.shape, lambda hh, bb, ss: (0,)) for x in ints]
+    extra_specs, extra = [], []
+    if sinks is not None:  # a block's rows (token-major, then the padded group's heads), the same in every block
+        row_sinks = jnp.pad(sinks.astype(jnp.float32).reshape(kvh, group), ((0, 0), (0, gp - group)))
+        row_sinks = jnp.pad(jnp.tile(row_sinks, (1, block_q)), ((0, 0), (0, rows - real)))  # [kv_heads, rows]
+        extra_specs, extra = [pl.BlockSpec((None, rows), lambda hh, bb, ss: (hh, 0))], [row_sinks]
     cache_spec = pl.BlockSpec((None, *k_cache.shape[1:]), lambda hh, bb, ss: (hh, 0, 0, 0))
     if normalise:
         out_specs = [pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0))]
@@ -240,25 +253,28 @@ def ragged_paged_attention(
     outs = pl.pallas_call(
         kernel,
         grid=(kvh, num_blocks, splits),
-        in_specs=[*whole, pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0)), cache_spec, cache_spec],
+        in_specs=[*whole, pl.BlockSpec((None, rows, d), lambda hh, bb, ss: (hh, bb, 0)), cache_spec, cache_spec,
+                  *extra_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=pltriton.CompilerParams(num_warps=sizes.num_warps, num_stages=sizes.num_stages),
         interpret=interpret,
         name="ragged_paged_attention_gpu",
-    )(*ints, qk, k_cache, v_cache)
+    )(*ints, qk, k_cache, v_cache, *extra)
     if normalise:
         out = outs[0].reshape(kvh, num_blocks, rows, d)[:, :, :real].reshape(kvh, t_pad, gp, d)
     else:
-        out = merge_splits(*outs, rows=rows, real=real, out_dtype=q.dtype, interpret=interpret)
+        out = merge_splits(*outs, rows=rows, real=real, out_dtype=q.dtype, interpret=interpret,
+                           sinks=extra[0] if extra else None)
         out = out.reshape(kvh, t_pad, gp, d)
     out = out[:, :t, :group].transpose(1, 0, 2, 3).reshape(t, h, d)
     return out.astype(q.dtype)
 
 
-def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int):
-    # acc_ref [splits, rows, D], m_ref/l_ref [splits, rows] (one (KV head, query block)'s partials); o_ref
-    # [real, D]: the block's real rows (its first), the tile's padding rows dropped
+def _merge_kernel(acc_ref, m_ref, l_ref, *refs, splits: int, sinks: bool):
+    # acc_ref [splits, rows, D], m_ref/l_ref [splits, rows] (one (KV head, query block)'s partials); with sinks,
+    # their [rows]; o_ref [real, D]: the block's real rows (its first), the tile's padding rows dropped
+    sink_ref, (o_ref,) = (refs[0], refs[1:]) if sinks else (None, refs)
     rows, d = o_ref.shape
     real = pl.ds(0, rows)
     m_all = jax.lax.fori_loop(0, splits, lambda s, m: jnp.maximum(m, m_ref[s, real]), m_ref[0, real])
@@ -270,42 +286,53 @@ def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int):
 
     denom, acc = jax.lax.fori_loop(0, splits, add, (jnp.zeros((rows,), jnp.float32),
                                                     jnp.zeros((rows, d), jnp.float32)))
+    if sinks:
+        denom, acc = fold_sinks(m_all[:, None], denom[:, None], acc, sink_ref[real][:, None])
+        denom = denom[:, 0]
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
 
 
 def merge_splits_reference(acc: jax.Array, m: jax.Array, denom: jax.Array, *, rows: int, real: int, out_dtype,
-                           interpret: bool = False) -> jax.Array:
+                           interpret: bool = False, sinks: jax.Array | None = None) -> jax.Array:
     """`merge_splits` in jnp (XLA's reductions)."""
     del interpret
     splits, kvh, total, d = acc.shape
     m_all = m.max(axis=0)
     scale = jnp.exp(m - m_all)  # [splits, kv_heads, blocks * rows]
-    denom = (denom * scale).sum(axis=0)
-    out = (acc * scale[..., None]).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    denom = (denom * scale).sum(axis=0)[..., None]
+    acc = (acc * scale[..., None]).sum(axis=0)
+    if sinks is not None:
+        sink = jnp.tile(sinks, (1, total // rows))[..., None]  # [kv_heads, blocks * rows, 1]
+        denom, acc = fold_sinks(m_all[..., None], denom, acc, sink)
+    out = acc / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(kvh, total // rows, rows, d)[:, :, :real].reshape(kvh, -1, d).astype(out_dtype)
 
 
 def merge_splits(acc: jax.Array, m: jax.Array, denom: jax.Array, *, rows: int, real: int, out_dtype,
-                 interpret: bool = False) -> jax.Array:
+                 interpret: bool = False, sinks: jax.Array | None = None) -> jax.Array:
     """The flash-decoding merge of the splits' partials (acc [splits, kv_heads, blocks * rows, D] unnormalised, m and
     denom [splits, kv_heads, blocks * rows]; each block's first `real` rows are queries): each rescaled to the
     common max, summed in split order, normalised; -> [kv_heads, blocks * real, D]. One program per (KV head,
     query block): one launch where XLA made three reductions and a slice (96 fewer launches in an 8B-shaped batch-1
-    step; on an H100, inside the step's CUDA graphs, no faster: `benchmarks/results/device_check_h100_ab.json`)."""
+    step; on an H100, inside the step's CUDA graphs, no faster: `benchmarks/results/device_check_h100_ab.json`).
+    sinks [kv_heads, rows]: each tile row's sink logit, folded in after the splits."""
     splits, kvh, total, d = acc.shape
     blocks = total // rows
     part = pl.BlockSpec((splits, None, rows, d), lambda hh, bb: (0, hh, bb, 0))
     stat = pl.BlockSpec((splits, None, rows), lambda hh, bb: (0, hh, bb))
+    extra_specs, extra = [], []
+    if sinks is not None:
+        extra_specs, extra = [pl.BlockSpec((None, rows), lambda hh, bb: (hh, 0))], [sinks]
     return pl.pallas_call(
-        functools.partial(_merge_kernel, splits=splits),
+        functools.partial(_merge_kernel, splits=splits, sinks=sinks is not None),
         grid=(kvh, blocks),
-        in_specs=[part, stat, stat],
+        in_specs=[part, stat, stat, *extra_specs],
         out_specs=pl.BlockSpec((None, real, d), lambda hh, bb: (hh, bb, 0)),
         out_shape=jax.ShapeDtypeStruct((kvh, blocks * real, d), out_dtype),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret,
         name="ragged_paged_attention_gpu_merge",
-    )(acc, m, denom)
+    )(acc, m, denom, *extra)
 
 
 def pages_walked(query_lens: list[int], kv_lens: list[int], *, num_tokens: int, num_seqs: int, num_kv_heads: int,

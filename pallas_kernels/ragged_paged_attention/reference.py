@@ -11,6 +11,9 @@ Flash attention over (query block, KV block) tiles, in plain jnp:
 
 ``block_q`` defaults from the static shapes: 1 for decode batches (T == S), up to 32 tokens when
 sequences bring many tokens each. Memory stays ``O(blocks * block)``; no ``[T, max_context]`` matrix.
+
+Attention sinks (GPT-OSS: a learned logit per q head that joins every softmax's denominator and adds no value)
+are folded into the softmax's state once, after the keys (`fold_sinks`), as every kernel does.
 """
 
 from __future__ import annotations
@@ -22,6 +25,15 @@ import jax.numpy as jnp
 
 # Finite stand-in for -inf: a fully masked row must give exp(-big - -big) = 1 on garbage, not NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def fold_sinks(m: jax.Array, denom: jax.Array, acc: jax.Array, sink: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """An online softmax's state (running max m and sum denom [..., 1], unnormalised acc [..., D]) with one more key
+    of score `sink` [..., 1] and a zero value: -> (denom, acc), to normalise as before. A row that saw no key
+    gets denom 1 and acc 0 (an output of zeros, as without the sink)."""
+    m_new = jnp.maximum(m, sink)
+    alpha = jnp.exp(m - m_new)
+    return denom * alpha + jnp.exp(sink - m_new), acc * alpha
 
 
 def default_block_q(num_tokens: int, num_seqs: int) -> int:
@@ -44,6 +56,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     kv_block_pages: int | None = None,
     block_q: int | None = None,
+    sinks: jax.Array | None = None,  # [num_heads]: each q head's sink logit (None: no sinks)
 ) -> jax.Array:  # [T, num_heads, head_dim]
     t, h, d = q.shape
     kvh, num_pages, page_size, _ = k_cache.shape
@@ -106,7 +119,10 @@ def ragged_paged_attention(
     num_kv_blocks = (jnp.max(kv_lens) + kv_block - 1) // kv_block
     init = (jnp.full((nb, kvh, bq * g, 1), MASK_VALUE, jnp.float32), jnp.zeros((nb, kvh, bq * g, 1), jnp.float32),
             jnp.zeros((nb, kvh, bq * g, d), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+    m, denom, acc = jax.lax.fori_loop(0, num_kv_blocks, body, init)
+    if sinks is not None:  # row b * g + j of KV head k is q head k * g + j
+        sink = jnp.tile(sinks.astype(jnp.float32).reshape(kvh, 1, g), (1, bq, 1)).reshape(1, kvh, bq * g, 1)
+        denom, acc = fold_sinks(m, denom, acc, sink)
     out = acc / jnp.where(denom > 0, denom, 1.0)  # [nb, kvh, bq * g, d]
     out = out.reshape(nb, kvh, bq, g, d).transpose(0, 2, 1, 3, 4).reshape(nb * bq, h, d)
     result = jnp.zeros((t, h, d), q.dtype)

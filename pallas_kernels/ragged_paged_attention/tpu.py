@@ -18,15 +18,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.ragged_paged_attention.blocks import DEFAULT_BLOCK_Q, block_seq_ranges
-from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE
+from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, fold_sinks
 
 
 def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, window_ref,  # scalar prefetch (SMEM)
             q_ref, k_hbm, v_hbm,  # q: [rows, D] VMEM; k/v: [kv_heads, pages, page_size, D] HBM
-            o_ref,  # [rows, D]
-            k_buf, v_buf, sems,  # [2, page_size, D] x 2 VMEM, DMA semaphores [2, 2]
-            *, group: int, block_q: int, max_pages: int, sm_scale: float, windowed: bool,
-            soft_cap: float | None):
+            *refs,  # with sinks, their [rows, 1] VMEM (each row's head's); then o_ref [rows, D]; then the scratch:
+            # k_buf, v_buf [2, page_size, D] VMEM, DMA semaphores [2, 2]
+            group: int, block_q: int, max_pages: int, sm_scale: float, windowed: bool, soft_cap: float | None,
+            sinks: bool):
+    sink_ref, (o_ref, k_buf, v_buf, sems) = (refs[0], refs[1:]) if sinks else (None, refs)
     h, b = pl.program_id(0), pl.program_id(1)
     rows, d = q_ref.shape
     page_size = k_buf.shape[1]
@@ -90,7 +91,9 @@ def _kernel(kv_lens_ref, tables_ref, qsl_ref, first_ref, last_ref, window_ref,  
 
     init = (jnp.full((rows, 1), MASK_VALUE, jnp.float32), jnp.zeros((rows, 1), jnp.float32),
             jnp.zeros((rows, d), jnp.float32))
-    _, denom, acc = jax.lax.fori_loop(first_ref[b], last_ref[b] + 1, seq_body, init)
+    m, denom, acc = jax.lax.fori_loop(first_ref[b], last_ref[b] + 1, seq_body, init)
+    if sinks:
+        denom, acc = fold_sinks(m, denom, acc, sink_ref[...])
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)).astype(o_ref.dtype)
 
 
@@ -108,6 +111,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     interpret: bool = False,
+    sinks: jax.Array | None = None,  # [num_heads]: each q head's sink logit
 ) -> jax.Array:  # [T, num_heads, head_dim]
     t, h, d = q.shape
     kvh, _, page_size, _ = k_cache.shape
@@ -121,7 +125,12 @@ def ragged_paged_attention(
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32).reshape(1)
     rows = block_q * group
     kernel = functools.partial(_kernel, group=group, block_q=block_q, max_pages=block_tables.shape[1],
-                               sm_scale=sm_scale, windowed=sliding_window is not None, soft_cap=soft_cap)
+                               sm_scale=sm_scale, windowed=sliding_window is not None, soft_cap=soft_cap,
+                               sinks=sinks is not None)
+    extra_specs, extra = [], []
+    if sinks is not None:  # each KV head's block rows (token-major, then the group's heads): the same in every block
+        extra = [jnp.tile(sinks.astype(jnp.float32).reshape(kvh, 1, group), (1, block_q, 1)).reshape(kvh, rows, 1)]
+        extra_specs = [pl.BlockSpec((None, rows, 1), lambda hh, bb, *_: (hh, 0, 0))]
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -131,6 +140,7 @@ def ragged_paged_attention(
                 pl.BlockSpec((None, rows, d), lambda hh, bb, *_: (hh, bb, 0)),
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
+                *extra_specs,
             ],
             out_specs=pl.BlockSpec((None, rows, d), lambda hh, bb, *_: (hh, bb, 0)),
             scratch_shapes=[
@@ -143,6 +153,6 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="ragged_paged_attention_tpu",
-    )(kv_lens, block_tables.reshape(-1), query_start_loc, first, last, window, qk, k_cache, v_cache)
+    )(kv_lens, block_tables.reshape(-1), query_start_loc, first, last, window, qk, k_cache, v_cache, *extra)
     out = out.reshape(kvh, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, h, d)
     return out[:t]

@@ -16,10 +16,10 @@ from pallas_kernels.ragged_paged_attention import cpu
 from pallas_kernels.ragged_paged_attention.cpu_kernel import CACHE_TYPES, attend_serial
 from tests.matrix import sampled
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
-from tests.pallas_kernels.ragged_paged_attention.test_reference import naive_attention
+from tests.pallas_kernels.ragged_paged_attention.test_reference import SINKS, naive_attention
 
-OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}]
-OPTION_IDS = ["plain", "window", "softcap"]
+OPTIONS = [{}, {"sliding_window": 9}, {"soft_cap": 5.0}, {"sinks": SINKS, "sliding_window": 9}]  # sinks: the first H
+OPTION_IDS = ["plain", "window", "softcap", "sinks"]
 HALF_TYPES = {"float16": jnp.float16, "bfloat16": jnp.bfloat16}
 # the integer type the kernel sees a 16-bit cache as (the format's bits)
 KERNEL_VIEW = {jnp.dtype(jnp.float16): np.uint16, jnp.dtype(jnp.bfloat16): np.int16}
@@ -30,7 +30,7 @@ def _narrowed(case, dtype):
     return dataclasses.replace(case, k_cache=case.k_cache.astype(dtype), v_cache=case.v_cache.astype(dtype))
 
 
-def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None):
+def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None, sinks=None):
     m = case.meta
     q = np.asarray(case.q)
     out = np.full_like(q, np.nan)  # every element must be written, padding rows included
@@ -39,7 +39,9 @@ def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None):
         k_cache, v_cache = (c.view(KERNEL_VIEW[case.k_cache.dtype]) for c in (k_cache, v_cache))
     attend_serial(q, k_cache, v_cache, np.asarray(m.kv_lens),
            np.asarray(m.block_tables), np.asarray(m.query_start_loc), out, np.float32(q.shape[-1] ** -0.5),
-           sliding_window or 0, np.float32(soft_cap or 0.0), block_q, min_items)
+           sliding_window or 0, np.float32(soft_cap or 0.0),
+           np.full(q.shape[1], cpu.NEG, np.float32) if sinks is None else sinks[:q.shape[1]], block_q,
+           min_items)
     return out
 
 
@@ -128,6 +130,8 @@ def _step(impl, case, **options):
             expected_k[:, slot // page_size, slot % page_size] = k_new[tok]
             expected_v[:, slot // page_size, slot % page_size] = v_new[tok]
     kernel = attention_kernel(choose_kernels(impl, platform="cpu", kv_dtype=case.k_cache.dtype))
+    if "sinks" in options:
+        options = {**options, "sinks": jnp.asarray(options["sinks"][:case.q.shape[1]])}
     step = jax.jit(functools.partial(kernel, sm_scale=d ** -0.5, **options), donate_argnums=(3, 4))
     got = step(case.q, jnp.asarray(k_new), jnp.asarray(v_new), jnp.array(case.k_cache), jnp.array(case.v_cache),
                m.slot_mapping, m.kv_lens, m.block_tables, m.query_start_loc)

@@ -12,6 +12,7 @@ from jax import export
 from pallas_kernels.ragged_paged_attention import gpu, reference, tpu
 from tests.matrix import sampled
 from tests.pallas_kernels.ragged_paged_attention.cases import make_case, run
+from tests.pallas_kernels.ragged_paged_attention.test_reference import SINKS
 
 KERNELS = {"tpu": tpu.ragged_paged_attention, "gpu": gpu.ragged_paged_attention}
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -44,7 +45,9 @@ def test_kernel_matches_reference(kernel, kind, dtype, head_dim, heads, page_siz
 
 
 @pytest.mark.parametrize("kernel", sorted(KERNELS))
-@pytest.mark.parametrize("options", [{"sliding_window": 11}, {"soft_cap": 4.0}], ids=["window", "softcap"])
+@pytest.mark.parametrize("options", [{"sliding_window": 11}, {"soft_cap": 4.0},
+                                     {"sinks": jnp.asarray(SINKS[:8]), "sliding_window": 11}],
+                         ids=["window", "softcap", "sinks"])
 def test_kernel_options(kernel, options):
     case = make_case("mixed", num_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
     _check(kernel, case, jnp.float32, **options)
@@ -62,7 +65,7 @@ def test_tpu_kernel_small_pages():
 GPU_SIZES = [gpu.BlockSizes(4, 32, 4, 2, 1), gpu.BlockSizes(4, 64, 4, 2, 3), gpu.BlockSizes(8, 48, 4, 2, 2),
              gpu.BlockSizes(16, 16, 4, 2, 1), gpu.BlockSizes(1, 32, 4, 2, 2), gpu.BlockSizes(2, 16, 4, 2, 1)]
 GPU_CASES = [(kind, sizes, options) for kind in ("decode", "prefill", "mixed") for sizes in GPU_SIZES
-             for options in ({}, {"sliding_window": 19, "soft_cap": 5.0})]
+             for options in ({}, {"sliding_window": 19, "soft_cap": 5.0}, {"sinks": jnp.asarray(SINKS[:8])})]
 
 
 @pytest.mark.parametrize(("kind", "sizes", "options"),
@@ -74,6 +77,18 @@ def test_gpu_block_sizes(kind, sizes, options):
     expected = run(reference.ragged_paged_attention, case, **options)
     got = run(functools.partial(gpu.ragged_paged_attention, interpret=True, sizes=sizes), case, **options)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("sizes", [gpu.BlockSizes(4, 32, 4, 2, 1), gpu.BlockSizes(4, 64, 4, 2, 3),
+                                   gpu.BlockSizes(1, 32, 4, 2, 2)], ids=["one-split", "3-splits", "bq1-2-splits"])
+def test_gpu_sinks_fold_once_whatever_the_splits(sizes):
+    """Sinks are folded by the program with one split and by the merge with several: the same attention."""
+    case = make_case("decode", num_heads=6, num_kv_heads=2, head_dim=64, page_size=16, dtype=jnp.float32)
+    options = {"sinks": jnp.asarray(SINKS[:6])}
+    expected = run(reference.ragged_paged_attention, case, **options)
+    got = run(functools.partial(gpu.ragged_paged_attention, interpret=True, sizes=sizes), case, **options)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    assert np.abs(got - run(reference.ragged_paged_attention, case)).max() > 1e-2  # the sinks changed it
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16])
@@ -195,18 +210,26 @@ def _cpu_attend(cpu):
 
 @pytest.mark.parametrize(("platform", "kernel", "marker"), [("tpu", "tpu", "tpu_custom_call"),
                                                             ("cuda", "gpu", "__gpu$xla.gpu.triton")])
-def test_a_runtime_window_lowers_for_its_platform(platform, kernel, marker):
-    tokens, seqs, page_size, pages, dtype = EXPORT_SHAPES[0]
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["window", "window-sinks"])
+def test_a_runtime_window_lowers_for_its_platform(platform, kernel, marker, with_sinks):
+    """A layer's traced window, and its sinks (GPT-OSS: runtime values of the layer scan), in the real lowering;
+    a decode step of 64 sequences, so that the GPU kernel runs flash-decoding splits and lowers their merge too."""
+    tokens, seqs, page_size, pages, dtype = 64, 64, 16, 2048, jnp.bfloat16
     h, kvh, d, max_pages = 32, 8, 128, 128
+    assert gpu.block_sizes(tokens, seqs, kvh, h // kvh, d, page_size, max_pages).num_splits > 1
     args = [jax.ShapeDtypeStruct((tokens, h, d), dtype),
             jax.ShapeDtypeStruct((kvh, pages, page_size, d), dtype),
             jax.ShapeDtypeStruct((kvh, pages, page_size, d), dtype),
             jax.ShapeDtypeStruct((seqs,), jnp.int32), jax.ShapeDtypeStruct((seqs, max_pages), jnp.int32),
-            jax.ShapeDtypeStruct((seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32)]
-    fn = jax.jit(lambda *a: KERNELS[kernel](*a[:6], sm_scale=d ** -0.5, sliding_window=a[6]))
+            jax.ShapeDtypeStruct((seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32),
+            jax.ShapeDtypeStruct((h,), dtype)]
+    fn = jax.jit(lambda *a: KERNELS[kernel](*a[:6], sm_scale=d ** -0.5, sliding_window=a[6],
+                                            sinks=a[7] if with_sinks else None))
     exported = export.export(fn, platforms=[platform],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(marker)])(*args)
     assert marker in exported.mlir_module()
+    if kernel == "gpu":
+        assert "ragged_paged_attention_gpu_merge" in exported.mlir_module()
 
 
 @pytest.mark.parametrize(("splits", "rows", "real"), [(1, 16, 16), (3, 16, 4), (32, 16, 16), (5, 32, 8)])
@@ -222,8 +245,10 @@ def test_gpu_merge_kernel_matches_its_reference(splits, rows, real):
     empty[:, 0, 1] = True
     m[empty], denom[empty], acc[empty] = reference.MASK_VALUE, 0.0, 0.0
     args = [jnp.asarray(x) for x in (acc, m, denom)]
-    want = gpu.merge_splits_reference(*args, rows=rows, real=real, out_dtype=jnp.float32)
-    got = gpu.merge_splits(*args, rows=rows, real=real, out_dtype=jnp.float32, interpret=True)
-    assert got.shape == (kvh, blocks * real, d)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    assert np.all(np.asarray(got)[0, 1] == 0)
+    sinks = jnp.asarray(rng.standard_normal((kvh, rows)).astype(np.float32))
+    for extra in ({}, {"sinks": sinks}):
+        want = gpu.merge_splits_reference(*args, rows=rows, real=real, out_dtype=jnp.float32, **extra)
+        got = gpu.merge_splits(*args, rows=rows, real=real, out_dtype=jnp.float32, interpret=True, **extra)
+        assert got.shape == (kvh, blocks * real, d)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        assert np.all(np.asarray(got)[0, 1] == 0)

@@ -7,8 +7,13 @@ from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attenti
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case, run
 
 
-def naive_attention(case, sliding_window=None, soft_cap=None):
-    """Per sequence: rebuild its K/V from its pages, then softmax(q k^T) v with a dense causal mask."""
+# sink logits per q head (a case's first H of them): some above the scores, some far below
+SINKS = np.array([0.5, -1.0, 2.0, 0.0, 3.0, -0.25, 1.5, -2.0, 4.0, -8.0, 1.0, 0.25], np.float32)
+
+
+def naive_attention(case, sliding_window=None, soft_cap=None, sinks=None):
+    """Per sequence: rebuild its K/V from its pages, then softmax(q k^T) v with a dense causal mask; with sinks,
+    each head's sink logit is one more softmax column whose value is zero."""
     m = case.meta
     q = np.asarray(case.q, np.float64)
     k_cache, v_cache = np.asarray(case.k_cache, np.float64), np.asarray(case.v_cache, np.float64)
@@ -34,13 +39,17 @@ def naive_attention(case, sliding_window=None, soft_cap=None):
                 if sliding_window:
                     allowed &= pos > q_pos - sliding_window
                 scores = np.where(allowed, scores, -np.inf)
-                p = np.exp(scores - scores.max())
-                out[tok, head] = (p / p.sum()) @ vals[kv]
+                sink = -np.inf if sinks is None else float(sinks[head])
+                top = max(scores.max(), sink)
+                p = np.exp(scores - top)
+                out[tok, head] = p @ vals[kv] / (p.sum() + np.exp(sink - top))
     return out
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
-@pytest.mark.parametrize("options", [{}, {"sliding_window": 9}, {"soft_cap": 5.0}])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 9}, {"soft_cap": 5.0}, {"sinks": SINKS[:6]},
+                                     {"sinks": SINKS[:6], "sliding_window": 9}],
+                         ids=["plain", "window", "softcap", "sinks", "sinks-window"])
 def test_reference_matches_naive_dense(kind, options):
     case = make_case(kind, num_heads=6, num_kv_heads=2, head_dim=32, page_size=8, dtype=np.float32)
     got = run(ragged_paged_attention, case, **options)
