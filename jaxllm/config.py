@@ -121,6 +121,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # GPT-OSS's departures: attention sinks (a learned logit per q head that joins every softmax, `sinks` [heads]);
+    # biases on the router and the experts; experts whose SwiGLU clamps (gate <= limit, |up| <= limit) and runs
+    # gate * sigmoid(alpha * gate) * (up + 1).
+    attention_sinks: bool = False
+    moe_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -144,7 +151,7 @@ class ModelConfig:
                               f"{self.layer_windows}")
         if self.activation not in ACTIVATIONS:
             raise ConfigError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
-        for name in ("attn_scale", "attn_soft_cap", "final_soft_cap"):
+        for name in ("attn_scale", "attn_soft_cap", "final_soft_cap", "swiglu_limit"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
@@ -152,6 +159,8 @@ class ModelConfig:
             raise ConfigError(f"a mixture of {self.num_experts} experts needs 0 < num_experts_per_tok <= "
                               f"num_experts (got {self.num_experts_per_tok}) and a positive moe_intermediate_size "
                               f"(got {self.moe_intermediate_size})")
+        if (self.moe_bias or self.swiglu_limit is not None) and not self.num_experts:
+            raise ConfigError("moe_bias and swiglu_limit are the experts' (num_experts is 0)")
         if self.local_rope is not None and self.layer_windows is None:
             raise ConfigError("local_rope needs layer_windows (the windowed layers are the ones it rotates)")
 

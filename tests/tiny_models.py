@@ -39,6 +39,15 @@ ARCHITECTURE_CASES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=96, tie_word_embeddings=False)),
     "mixtral": ("MixtralConfig", dict(num_local_experts=8, num_experts_per_tok=2, sliding_window=6)),
+    # GPT-OSS: attention sinks, biases everywhere, windowed and global layers alternating with a window shorter
+    # than the prompts, YaRN RoPE, 8 experts with 3 a token and a SwiGLU limit low enough to clamp
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=3,
+                                     sliding_window=6, num_hidden_layers=3, swiglu_limit=0.7,
+                                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                                      "original_max_position_embeddings": 64},
+                                     tie_word_embeddings=False)),
     # 8 heads / 4 KV heads: tensor parallel 2 and 4 divide both.
     "qwen2_tp": ("Qwen2Config", dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }

@@ -33,6 +33,8 @@ from jaxllm.models.registry import architecture_spec
 from jaxllm.sharding import mesh_rules, named_sharding
 from pallas_kernels.quantized_matmul import QuantizedWeight
 
+# The last component of a model tensor's name: a module's parameter (attention's `sinks`: GPT-OSS)
+PARAMETERS = ("weight", "bias", "sinks")
 # Tensors some checkpoints carry that the model recomputes.
 IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
@@ -45,7 +47,7 @@ def hf_name_to_path(name: str, fused: dict = LLAMA_FUSED) -> tuple[tuple[str | i
     if parts[0] == "model":
         parts = parts[1:]
     path: list[str | int] = [int(p) if p.isdigit() else p for p in parts]
-    if not path or path[-1] not in ("weight", "bias"):
+    if not path or path[-1] not in PARAMETERS:
         return None
     module = path[-2] if len(path) > 1 else ""
     if module == "embed_tokens" and path[-1] == "weight":
@@ -229,6 +231,8 @@ def assemble_model(
         """How many slots a stacked variable has: layers, times experts for the experts' weights."""
         return cfg.num_layers * (cfg.num_experts if "experts" in path else 1)
     entries = []  # (variable path, slot, part, name, load, source, expected shape)
+    if spec.adapt_tensors is not None:
+        tensors = spec.adapt_tensors(tensors, cfg)
     for name, load, source in split(tensors, spec.split, cfg):
         name = spec.hf_name(name)
         mapped = hf_name_to_path(name, spec.fused)

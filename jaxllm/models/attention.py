@@ -15,7 +15,7 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import Linear, RMSNorm
+from jaxllm.models.layers import Linear, RMSNorm, _init
 from jaxllm.models.rope import apply_rope
 
 
@@ -57,11 +57,17 @@ class Attention(nnx.Module):
                                bias=cfg.attention_bias, dtype=dtype, rngs=rngs, quant=quant.get("qkv_proj"))
         self.o_proj = Linear(cfg.num_heads * d, e, ("q_heads", "embed"), bias=cfg.o_bias, dtype=dtype, rngs=rngs,
                              quant=quant.get("o_proj"))
+        # GPT-OSS: each q head's sink logit [heads], split with its heads
+        self.sinks = nnx.Param(_init(rngs, (cfg.num_heads,), jnp.float32, 1.0), axes=("q_heads",)) \
+            if cfg.attention_sinks else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, offset=cfg.rms_norm_offset)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, rngs=rngs, offset=cfg.rms_norm_offset)
         else:
             self.q_norm = self.k_norm = None
+
+    def _sinks(self) -> jax.Array | None:
+        return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
     def _qkv(self, x, cos, sin, lora=None):
         lead = x.shape[:-1]
@@ -77,7 +83,7 @@ class Attention(nnx.Module):
         traced int32 scalar when layers differ and run under a scan)."""
         q, k, v = self._qkv(x, cos, sin)
         out = dense_causal_attention(q, k, v, valid=valid, positions=positions, sm_scale=self.sm_scale,
-                                     sliding_window=window, soft_cap=self.soft_cap)
+                                     sliding_window=window, soft_cap=self.soft_cap, sinks=self._sinks())
         return self.o_proj(out.reshape(*x.shape[:-1], -1))
 
     def paged(self, x, cos, sin, kv: tuple[jax.Array, jax.Array], meta: AttentionMetadata, attn_fn: Callable,
@@ -87,5 +93,6 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, cos, sin, lora)
         out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
                                         meta.query_start_loc, sm_scale=self.sm_scale, sliding_window=window,
-                                        soft_cap=self.soft_cap)
+                                        soft_cap=self.soft_cap,
+                                        **({} if self.sinks is None else {"sinks": self._sinks()}))
         return self.o_proj(out.reshape(x.shape[0], -1), lora), (k_cache, v_cache)

@@ -9,7 +9,7 @@ names, so their specs mostly hold flags; another shape names its own `model` and
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from jaxllm.config import ConfigError, ModelConfig, RopeConfig
@@ -66,6 +66,10 @@ class FamilySpec:
     quantizable: tuple[str, ...] = LLAMA_QUANTIZABLE
     # Checkpoint module names -> the model's, one dotted component at a time (Mixtral's `block_sparse_moe` -> `mlp`)
     hf_module_names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # (checkpoint tensors (name, load, source), config) -> the tensors in the model's names and layouts, where the
+    # family's checkpoints hold them otherwise (GPT-OSS's [experts, in, out] experts, MXFP4 pairs); applied first
+    adapt_tensors: Callable[[Iterable[tuple[str, Callable, str]], ModelConfig],
+                            Iterator[tuple[str, Callable, str]]] | None = None
 
     def hf_name(self, name: str) -> str:
         """A checkpoint tensor's name in the model's module names."""

@@ -1,9 +1,10 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE): the router's softmax picks each token's top-k experts;
-the (token, expert) pairs are grouped by expert (by counting), each expert's rows run through its gated MLP as one
-group of a grouped matmul (`jax.lax.ragged_dot_general`: one GEMM per expert on GPU and TPU), and each token's
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): the router's softmax picks each token's top-k
+experts; the (token, expert) pairs are grouped by expert (by counting), each expert's rows run through its gated MLP
+as one group of a grouped matmul (`jax.lax.ragged_dot_general`: one GEMM per expert on GPU and TPU), and each token's
 outputs are added back in a fixed order (its k experts by rank), so a token's output depends on its own routing
 only, never on which other tokens share the step. Expert weights are stacked ``[experts, out, in]`` as checkpoints
-hold each expert's [out, in] (the loader fills the expert axis from the per-expert tensors).
+hold each expert's [out, in] (the loader fills the expert axis from the per-expert tensors). GPT-OSS adds biases to
+the router and the experts, and a clamped SwiGLU (`ModelConfig.swiglu_limit`).
 
 XLA:CPU runs a grouped matmul as a dense one over every expert, masked (experts / k times the work a token needs):
 exact, but a CPU kernel that reads only the chosen experts' rows is still to come."""
@@ -28,16 +29,22 @@ class ExpertLinear(nnx.Module):
     """Every expert's [out, in] weight in one parameter, [experts, out, in]."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
-                 dtype, rngs: nnx.Rngs | None):
-        """axes: logical names of (in, out), as `Linear`'s."""
+                 dtype, rngs: nnx.Rngs | None, bias: bool = False):
+        """axes: logical names of (in, out), as `Linear`'s; bias: each expert's [out] (GPT-OSS)."""
         self.weight = nnx.Param(_init(rngs, (experts, out_features, in_features), dtype, in_features ** -0.5),
                                 axes=("expert", axes[1], axes[0]))  # [experts, out, in]
+        self.bias = nnx.Param(_init(rngs, (experts, out_features), dtype, 0.02 if rngs is not None else None),
+                              axes=("expert", axes[1])) if bias else None  # [experts, out]
 
-    def grouped(self, rows: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        """rows [R, in], sorted by expert, `group_sizes[e]` of them expert e's -> [R, out]."""
+    def grouped(self, rows: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
+        """rows [R, in], sorted by expert, `group_sizes[e]` of them expert e's (`row_experts` [R]: each row's) ->
+        [R, out]."""
         w = self.weight[...]
-        return jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
-                                          preferred_element_type=jnp.float32).astype(rows.dtype)
+        y = jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
+                                       preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...][row_experts].astype(jnp.float32)
+        return y.astype(rows.dtype)
 
 
 class Experts(nnx.Module):
@@ -45,8 +52,8 @@ class Experts(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
         n, e, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
 
 
 class MoE(nnx.Module):
@@ -57,10 +64,12 @@ class MoE(nnx.Module):
         from jaxllm.models.llama import MLP
 
         e = cfg.hidden_size
-        self.gate = Linear(e, cfg.num_experts, ("embed", None), dtype=dtype, rngs=rngs)  # [experts, embed]
+        self.gate = Linear(e, cfg.num_experts, ("embed", None), bias=cfg.moe_bias, dtype=dtype,
+                           rngs=rngs)  # [experts, embed]
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.activation = cfg.activation
+        self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         if cfg.shared_expert_intermediate_size:
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_expert_intermediate_size)
             self.shared_expert = MLP(shared, dtype=dtype, rngs=rngs)
@@ -77,8 +86,6 @@ class MoE(nnx.Module):
         return weights, experts
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        from jaxllm.models.llama import activate
-
         lead, e = x.shape[:-1], x.shape[-1]
         flat = x.reshape(-1, e)  # [N, E]
         n, k = flat.shape[0], self.top_k
@@ -87,9 +94,10 @@ class MoE(nnx.Module):
         slot, sizes = _group_by_expert(pairs, self.num_experts)
         order = jnp.zeros_like(pairs).at[slot].set(jnp.arange(n * k, dtype=pairs.dtype))  # slot -> pair
         rows = flat[order // k]  # [N * k, E], grouped by expert
-        gate_up = self.experts.gate_up_proj.grouped(rows, sizes).reshape(n * k, -1, 2)  # [N * k, mlp, 2]
-        hidden = activate(gate_up[..., 0], self.activation) * gate_up[..., 1]
-        out = self.experts.down_proj.grouped(hidden, sizes)  # [N * k, E], grouped by expert
+        row_experts = pairs[order]  # [N * k]
+        gate_up = self.experts.gate_up_proj.grouped(rows, sizes, row_experts).reshape(n * k, -1, 2)  # [N*k, mlp, 2]
+        hidden = self._gated(gate_up[..., 0], gate_up[..., 1])
+        out = self.experts.down_proj.grouped(hidden, sizes, row_experts)  # [N * k, E], grouped by expert
         out = out[slot].reshape(n, k, e)  # back to token order
         y = weights[:, 0, None] * out[:, 0].astype(jnp.float32)
         for j in range(1, k):  # a fixed order: a token's sum never depends on its neighbours
@@ -98,6 +106,16 @@ class MoE(nnx.Module):
             y = y + jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)) * \
                 self.shared_expert(flat).astype(jnp.float32)
         return y.astype(x.dtype).reshape(*lead, e)
+
+
+    def _gated(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        from jaxllm.models.llama import activate
+
+        if self.swiglu_limit is None:
+            return activate(gate, self.activation) * up
+        limit = self.swiglu_limit  # GPT-OSS's clamped SwiGLU
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(gate * self.swiglu_alpha) * (up + 1)
 
 
 def _group_by_expert(pairs: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:

@@ -13,6 +13,7 @@ from jaxllm.models.family import FamilySpec
 FAMILIES = (
     "gemma2",
     "gemma3",
+    "gpt_oss",
     "llama",
     "mistral",
     "mixtral",

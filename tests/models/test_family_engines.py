@@ -2,7 +2,7 @@
 `generate` on prompts longer than their sliding windows (prefix caching and chunked prefill on, the numba CPU
 attention kernel), the same tokens alone and in a batch, and nothing compiled after warm-up. Phi-3: fused
 checkpoint tensors and partial RoPE; Gemma 2: soft caps, sandwich norms, alternating windows; Gemma 3: q/k norms and
-a RoPE per kind of layer."""
+a RoPE per kind of layer; GPT-OSS: attention sinks, biased router and experts, a clamped SwiGLU."""
 
 import numpy as np
 import pytest
@@ -14,8 +14,8 @@ from tests.matrix import sampled
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
-@pytest.fixture(scope="module", params=sampled(["phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral"],
-                                                lambda f: f in ("gemma2", "qwen3_moe")))
+@pytest.fixture(scope="module", params=sampled(["phi3", "gemma2", "gemma3", "qwen3_moe", "qwen2_moe", "mixtral",
+                                                 "gpt_oss"], lambda f: f in ("gemma2", "qwen3_moe", "gpt_oss")))
 def family(request, tiny_model_dir, compile_cache_dir):
     folder, hf_model = tiny_model_dir(request.param)
     llm = LLM(str(folder), dtype="float32", max_num_seqs=4, max_num_batched_tokens=16, num_pages=96,

@@ -32,7 +32,8 @@ def _sequences(vocab):
     return [rng.integers(0, vocab, n).tolist() for n in LENGTHS]
 
 
-@pytest.mark.parametrize("case", sampled(PARITY_CASES, lambda c: c in ("llama", "qwen3", "gemma2", "mixtral")))
+@pytest.mark.parametrize("case", sampled(PARITY_CASES,
+                                         lambda c: c in ("llama", "qwen3", "gemma2", "mixtral", "gpt_oss")))
 def test_dense_forward_matches_transformers(case, tiny_model_dir):
     import jax.numpy as jnp
 
@@ -55,8 +56,10 @@ def test_dense_forward_matches_transformers(case, tiny_model_dir):
     [(c, "reference", 4) for c in PARITY_CASES] +
     [("mistral", "pallas_tpu", 8), ("qwen2", "pallas_gpu", 16), ("mistral", "cpu", 4), ("qwen3", "cpu", 8),
      ("phi3", "cpu", 4), ("gemma2", "cpu", 4), ("gemma3", "cpu", 8), ("gemma2", "pallas_gpu", 16),
-     ("gemma2", "pallas_tpu", 8), ("qwen3_moe", "cpu", 4)],
-    lambda p: p in (("llama", "reference", 4), ("mistral", "cpu", 4), ("gemma3", "cpu", 8), ("qwen3_moe", "cpu", 4))))
+     ("gemma2", "pallas_tpu", 8), ("qwen3_moe", "cpu", 4), ("gpt_oss", "cpu", 4), ("gpt_oss", "pallas_gpu", 16),
+     ("gpt_oss", "pallas_tpu", 8)],
+    lambda p: p in (("llama", "reference", 4), ("mistral", "cpu", 4), ("gemma3", "cpu", 8), ("qwen3_moe", "cpu", 4),
+                    ("gpt_oss", "cpu", 4))))
 def test_paged_prefill_then_decode_matches_transformers(case, attn_impl, page_size, tiny_model_dir):
     folder, hf_model = tiny_model_dir(case)
     lm = load_model(folder, dtype="float32", attn_impl=attn_impl)

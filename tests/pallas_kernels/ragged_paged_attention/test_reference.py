@@ -6,7 +6,6 @@ import pytest
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case, run
 
-
 # sink logits per q head (a case's first H of them): some above the scores, some far below
 SINKS = np.array([0.5, -1.0, 2.0, 0.0, 3.0, -0.25, 1.5, -2.0, 4.0, -8.0, 1.0, 0.25], np.float32)
 
