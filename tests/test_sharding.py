@@ -123,13 +123,17 @@ def test_tensor_parallel_mixture_of_experts_matches_single_device(tiny_model_dir
 
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
-@pytest.mark.parametrize(("tp", "ep"), sampled([(1, 2), (1, 4), (2, 2)], lambda p: False))
-def test_expert_parallel_matches_single_device(tp, ep, tiny_model_dir):
-    """The experts split over `ep` groups of `tp` devices (each expert's rows over `tp` too), attention over `tp`."""
-    folder, _ = tiny_model_dir("qwen3_moe")
+@pytest.mark.parametrize(("case", "tp", "ep", "attn_impl"), sampled(
+    [("qwen3_moe", 1, 2, "reference"), ("qwen3_moe", 1, 4, "reference"), ("qwen3_moe", 2, 2, "reference"),
+     ("gpt_oss", 2, 2, "pallas_tpu")], lambda p: p[0] == "gpt_oss"))
+def test_expert_parallel_matches_single_device(case, tp, ep, attn_impl, tiny_model_dir):
+    """The experts split over `ep` groups of `tp` devices (each expert's rows over `tp` too), attention over `tp`.
+    GPT-OSS: the experts' biases split with them, and its sinks with their heads into the Pallas kernel's
+    per-device calls (interpreted here)."""
+    folder, _ = tiny_model_dir(case)
     ids = np.random.default_rng(3).integers(0, 1024, (2, 9))
     single = _logits(load_model(folder, dtype="float32", attn_impl="reference"), ids)
-    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp, expert_parallel_size=ep)
+    lm = load_model(folder, dtype="float32", attn_impl=attn_impl, tensor_parallel_size=tp, expert_parallel_size=ep)
     assert dict(lm.mesh.shape) == {"ep": ep, "tp": tp}
     cfg = lm.config
     gate_up = lm.model.layers.layer.mlp.experts.gate_up_proj.weight[...]  # [layers, experts, 2 * mlp, hidden]
@@ -137,6 +141,11 @@ def test_expert_parallel_matches_single_device(tp, ep, tiny_model_dir):
         cfg.num_layers, cfg.num_experts // ep, 2 * cfg.moe_intermediate_size // tp, cfg.hidden_size)
     qkv = lm.model.layers.layer.self_attn.qkv_proj.weight[...]
     assert qkv.addressable_shards[0].data.shape[1] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
+    if cfg.attention_sinks:
+        sinks = lm.model.layers.layer.self_attn.sinks[...]  # [layers, heads]
+        assert sinks.addressable_shards[0].data.shape == (cfg.num_layers, cfg.num_heads // tp)
+        bias = lm.model.layers.layer.mlp.experts.down_proj.bias[...]  # [layers, experts, hidden]
+        assert bias.addressable_shards[0].data.shape[1] == cfg.num_experts // ep
     for got, want in zip(_logits(lm, ids), single, strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
