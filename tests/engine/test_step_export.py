@@ -157,6 +157,21 @@ def test_the_qwen3_moe_step_exports_with_a_grouped_matmul(platform):
     assert "tensor<48x128x1536x2048xbf16>" in module  # every layer's experts' gate/up, stacked
 
 
+GPT_OSS = bundled_model_config("openai/gpt-oss-20b")
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_gpt_oss_step_exports_with_sinks_and_grouped_experts(platform):
+    """gpt-oss-20b's shapes (32 experts, 4 per token, 64 heads' sinks, alternating 128-token windows): the native
+    attention kernel takes the sinks, the experts' matmuls are grouped, one scanned layer."""
+    assert GPT_OSS.attention_sinks and GPT_OSS.num_experts == 32 and GPT_OSS.layer_windows[:2] == (128, 0)
+    runner, paths = _runner(GPT_OSS, "llama-3.1-8b-h100", platform)
+    module = _export(runner, runner.buckets[1], platform).mlir_module()
+    assert NATIVE_CALL[platform] in module and "stablehlo.while" in module and "ragged_dot" in module
+    assert "tensor<24x64xf32>" in module  # every layer's sinks, stacked
+    assert "tensor<24x32x5760x2880xbf16>" in module  # every layer's experts' gate/up
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs --xla_force_host_platform_device_count=8")
 def test_the_qwen3_moe_ep8_step_exports_for_tpu_with_the_experts_split():
     mesh = make_mesh(1, expert_parallel_size=8)
