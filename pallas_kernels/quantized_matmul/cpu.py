@@ -18,6 +18,7 @@ import numpy as np
 
 from pallas_kernels.quantized_matmul import activations
 from pallas_kernels.quantized_matmul.format import QuantFormat, QuantizedWeight
+from pallas_kernels.quantized_matmul.reference import grouped_matmul as grouped_reference
 from pallas_kernels.quantized_matmul.reference import tiled_matmul
 
 TARGET = "jaxllm_cpu_quantized_matmul"
@@ -25,6 +26,10 @@ TARGET = "jaxllm_cpu_quantized_matmul"
 
 def int8_target(isa: str) -> str:
     return f"jaxllm_cpu_q8act_matmul_{isa}"
+
+
+def grouped_target(isa: str) -> str:
+    return f"jaxllm_cpu_q8act_grouped_matmul_{isa}"
 
 
 def _load_handler():
@@ -40,6 +45,13 @@ def register(isa: str | None = None) -> None:
     if isa is not None:
         from pallas_kernels.quantized_matmul.cpu_int8_kernel import handler
         register_once(int8_target(isa), lambda: handler(isa))
+
+
+def register_grouped(isa: str) -> None:
+    """Loads and registers `isa`'s grouped int8 kernel (a mixture of experts'), once per process."""
+    from pallas_kernels.cpu_ffi import register_once
+    from pallas_kernels.quantized_matmul.cpu_int8_kernel import grouped_handler
+    register_once(grouped_target(isa), lambda: grouped_handler(isa))
 
 
 def applies(x: jax.Array) -> bool:
@@ -88,3 +100,28 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     else:
         y = _kernel(x2, data, scale, offset, index)
     return y.reshape(*x.shape[:-1], data.shape[1])
+
+
+def grouped_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, group_sizes: jax.Array,
+                   layer: jax.Array | None = None, *, isa: str | None = None) -> jax.Array:
+    """`reference.grouped_matmul` on CPU: with an int8 path that takes x and fmt, one custom call multiplies each
+    expert's rows by that expert's weights only, read in place in the stack (experts without rows are never
+    read), each row's result as `matmul` gives it (the same kernel loop: batch invariant); else the reference
+    (every expert dequantized)."""
+    if isa is None or not int8_applies(x, fmt):
+        return grouped_reference(x, w, fmt, group_sizes, layer)
+    register_grouped(isa)
+    data, scale, offset = w
+    if offset is None:
+        offset = jnp.zeros((*scale.shape[:-1], 0), scale.dtype)
+    if layer is None:
+        data, scale, offset = data[None], scale[None], offset[None]
+    experts = data.shape[1]
+    # [layers * experts, out, ...]: a reshape of the stack (no copy); layer l's expert e is matrix l * E + e
+    data, scale, offset = (a.reshape(a.shape[0] * experts, *a.shape[2:]) for a in (data, scale, offset))
+    base = jnp.asarray(0 if layer is None else layer, jnp.int32) * experts
+    t, n = x.shape
+    out = (jax.ShapeDtypeStruct((t, data.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, n), jnp.int8),
+           *[jax.ShapeDtypeStruct((t, n // activations.BLOCK), jnp.float32)] * 2)
+    y = jax.ffi.ffi_call(grouped_target(isa), out)(x, data, scale, offset, group_sizes.astype(jnp.int32), base)[0]
+    return y.astype(x.dtype)

@@ -24,7 +24,7 @@ import functools
 import numba
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import carray, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
@@ -44,6 +44,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     ir_for,
     ir_hsum,
     is_execute,
+    keep_alive,
     launch,
     load32,
     load64,
@@ -369,10 +370,12 @@ PREFETCH_ROWS = 16
 X_BLOCK_BYTES = 1 << 17
 
 
-def _chunk(isa, bits, half):
+def _chunk(isa, bits, half, grouped=False):
     """The loop over a chunk's output rows for one instruction set and data layout: ``chunk(words, c)``, a numba
-    cfunc's body. Its closure holds only intrinsics, which numba's disk cache keys by their definitions (a
-    dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache entry, every process)."""
+    cfunc's body. Its closure holds only intrinsics and constants, which numba's disk cache keys by their
+    definitions and values (a dispatcher in a closure would be keyed by a per-process id: a miss, and a new cache
+    entry, every process). grouped: a chunk of a grouped matmul (`grouped_handler`): its weight matrix, inputs and
+    output rows are the launch table's entry c."""
     rows_many, toks = BLOCKS[isa]
     kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
         ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
@@ -390,6 +393,13 @@ def _chunk(isa, bits, half):
         xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1 = _chunk_args(words, c)
         size = 2 if half else 4
         blocks = n // 32
+        if grouped:  # entry c: (weight matrix, first input, inputs, first output row)
+            entry = load64(words + 104) + 32 * c
+            matrix, first, t, r0 = load64(entry), load64(entry + 8), load64(entry + 16), load64(entry + 24)
+            r1 = min(o, r0 + ROWS_PER_CHUNK)
+            xq, xd, xs, y = xq + first * n, xd + first * blocks * 4, xs + first * blocks * 4, y + first * o * 4
+            data, scale = data + matrix * o * p, scale + matrix * o * groups * size
+            offset += matrix * o * offset_groups * size
         group = 63
         if groups > 1:
             group = 0
@@ -487,6 +497,76 @@ def _build(isa: str):
                 fn = q8_f16() if scale_size == 2 else q8_f32()
             launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups),
                    (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, fn, True)
+        return to_ptr(0)
+    return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)
+
+
+@numba.njit(**_KW)
+def group_table(sizes, base, o):
+    """The grouped matmul's chunks: per expert with inputs (`sizes` [experts], inputs sorted by expert), one
+    entry per ROWS_PER_CHUNK output rows: (weight matrix base + expert, its first input, its inputs, first output
+    row) [n, 4]."""
+    per = (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
+    firsts = np.zeros(sizes.shape[0], np.int64)
+    for e in range(1, sizes.shape[0]):
+        firsts[e] = firsts[e - 1] + sizes[e - 1]
+    table = np.empty((np.count_nonzero(sizes) * per, 4), np.int64)
+    i = 0
+    for e in range(sizes.shape[0]):
+        if sizes[e] <= 0:
+            continue
+        for j in range(per):
+            table[i, 0], table[i, 1], table[i, 2], table[i, 3] = base + e, firsts[e], sizes[e], j * ROWS_PER_CHUNK
+            i += 1
+    return table
+
+
+@functools.cache
+def grouped_handler(isa: str):
+    """The FFI handler of `isa`'s grouped matmul (a mixture of experts' projections): built on first use, so
+    that dense models never compile it."""
+    if not isa_mod.supported(isa):
+        raise ValueError(f"no {isa} path here ({isa_mod.describe()})")
+    for layout in LAYOUTS:
+        cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
+            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16"), grouped=True))
+        export_symbol(f"jaxllm_cpu_q8act_grouped_chunk_{isa}_{layout}", cfunc.address)
+        _KEEP.append(cfunc)
+    q4_f16, q4_f32, q8_f16, q8_f32 = (symbol(f"jaxllm_cpu_q8act_grouped_chunk_{isa}_{layout}", True)
+                                      for layout in LAYOUTS)
+
+    def ffi_handler(frame_ptr):
+        """Inputs: x [R, in] f32 (rows sorted by expert), data [M, out, P] u8/s8, scale [M, out, G] f16/f32,
+        offset [M, out, G' or 0], sizes [E] s32 (each expert's rows), base [] s32 (expert e's matrix is base + e,
+        clamped into range); outputs y [R, out] f32 and the int8 blocks' scratch, as `handler`'s."""
+        frame = to_int(frame_ptr)
+        if is_execute(frame):
+            x_p, x_d = buffer(frame, 0)
+            d_p, d_d = buffer(frame, 1)
+            s_p, s_d = buffer(frame, 2)
+            o_p, o_d = buffer(frame, 3)
+            sizes_p, sizes_d = buffer(frame, 4)
+            base_p, _ = buffer(frame, 5)
+            y_p, _ = buffer(frame, 0, True)
+            xq_p, _ = buffer(frame, 1, True)
+            xd_p, _ = buffer(frame, 2, True)
+            xs_p, _ = buffer(frame, 3, True)
+            t, n = dim(x_d, 0), dim(x_d, 1)
+            o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
+            experts = dim(sizes_d, 0)
+            base = min(max(np.int64(load32(base_p)), 0), dim(d_d, 0) - experts)
+            sizes = carray(to_ptr(sizes_p), (experts,), dtype=np.int32)
+            table = group_table(sizes, base, o)
+            scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
+            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
+                   _quantize_chunk_fn(), True)
+            if buffer_dtype(frame, 1) == U8:
+                fn = q4_f16() if scale_size == 2 else q4_f32()
+            else:
+                fn = q8_f16() if scale_size == 2 else q8_f32()
+            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups,
+                           np.int64(table.ctypes.data)), table.shape[0], fn, True)
+            keep_alive(table)
         return to_ptr(0)
     return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)
 

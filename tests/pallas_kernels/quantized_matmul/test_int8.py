@@ -125,3 +125,39 @@ def test_path_choice_and_override(monkeypatch):
             monkeypatch.setenv(isa.ENV, path)
             with pytest.raises(ValueError, match="cannot run it"):
                 isa.best()
+
+
+@functools.cache
+def _grouped(path):
+    return jax.jit(functools.partial(cpu.grouped_matmul, isa=path), static_argnums=2)
+
+
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
+def test_the_grouped_kernel_gives_each_row_its_experts_plain_result(kind):
+    """A mixture of experts' projection: rows sorted by expert, some experts with none, one layer of a stack of
+    [layers, experts, out, in] read in place. Each row's output is, bit for bit, the plain kernel's for that row
+    and its expert's matrix (one arithmetic: batch invariant whatever else is routed), and close to the
+    reference's grouped matmul of the dequantized experts."""
+    paths = isa.available()
+    if not paths:
+        pytest.skip(f"no integer path on this CPU ({isa.describe()})")
+    layers, experts, out, n = 2, 6, 40, 256  # 40 rows: two full 16-row chunks and a tail
+    w, fmt, wf = _case(kind, (layers, experts, out, n))
+    sizes = np.array([3, 0, 1, 5, 0, 2], np.int32)
+    x = np.random.default_rng(5).standard_normal((int(sizes.sum()), n)).astype(np.float32)
+    row_expert = np.repeat(np.arange(experts), sizes)
+    for layer in (0, 1):
+        for path in paths:
+            got = np.asarray(_grouped(path)(jnp.asarray(x), w, fmt, jnp.asarray(sizes), jnp.int32(layer)))
+            assert got.shape == (len(x), out)
+            for r, e in enumerate(row_expert):
+                one = jax.tree.map(lambda a, e=e, layer=layer: None if a is None else a[layer, e], w,
+                                   is_leaf=lambda a: a is None)
+                want = np.asarray(_matmul(path)(jnp.asarray(x[r:r + 1]), one, fmt))[0]
+                np.testing.assert_array_equal(got[r], want, err_msg=f"{path} row {r}")
+        xa = np.asarray(activations.dequantize(activations.quantize(jnp.asarray(x))), np.float64)
+        wr = np.asarray(wf, np.float64)[layer, row_expert]  # [rows, out, in]: each row's expert
+        exact = np.einsum("rn,ron->ro", xa, wr)
+        assert np.all(np.abs(got - exact) <= 2e-6 * n ** 0.5 * np.einsum("rn,ron->ro", np.abs(xa), np.abs(wr)))
+        reference = cpu.grouped_reference(jnp.asarray(x), w, fmt, jnp.asarray(sizes), jnp.int32(layer))
+        np.testing.assert_allclose(np.asarray(reference), np.einsum("rn,ron->ro", x, wr), rtol=1e-4, atol=1e-4)
