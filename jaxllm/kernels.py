@@ -219,3 +219,18 @@ def quantized_matmul_kernel(kernels: Kernels) -> Callable:
         return functools.partial(matmul, isa=kernels.int8_isa)
     from pallas_kernels.quantized_matmul.reference import matmul
     return matmul
+
+
+@functools.cache
+def grouped_quantized_matmul_kernel(kernels: Kernels) -> Callable:
+    """``(x [R, in], w: QuantizedWeight [experts, out, ...] (or stacked [layers, experts, ...]), fmt, group_sizes
+    [experts], layer=None) -> [R, out]``, a mixture of experts' projection over quantized experts
+    (`pallas_kernels.quantized_matmul`): with the "cpu" matmul and an integer path, the grouped CPU kernel (only the
+    routed experts' rows read); otherwise the reference (the experts dequantized in the step, a grouped matmul)."""
+    if kernels.matmul == "cpu" and kernels.int8_isa is not None:
+        from pallas_kernels.quantized_matmul.cpu import grouped_matmul, register_grouped
+        if jax.default_backend() == "cpu":
+            register_grouped(kernels.int8_isa)  # now, not when first traced: a cached step is never traced
+        return functools.partial(grouped_matmul, isa=kernels.int8_isa)
+    from pallas_kernels.quantized_matmul.reference import grouped_matmul
+    return grouped_matmul

@@ -89,6 +89,8 @@ def role_of(hf_name: str, spec: FamilySpec) -> str | None:
         return None
     module = parts[-2]
     role = spec.fused[module][0] if module in spec.fused else module
+    if "experts" in parts[:-2]:
+        role = f"experts.{role}"
     return role if role in spec.quantizable else None
 
 

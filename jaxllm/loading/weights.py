@@ -155,7 +155,9 @@ def _role(path: tuple) -> str | None:
     """The quantizable weight a variable path holds (its packed values), e.g. 'qkv_proj'."""
     if path[-1] == "embedding":
         return "embed_tokens"
-    return str(path[-2]) if path[-1] == "weight" and len(path) > 1 else None
+    if path[-1] != "weight" or len(path) < 2:
+        return None
+    return f"experts.{path[-2]}" if "experts" in path[:-2] else str(path[-2])
 
 
 def _expand(path: tuple, value) -> list[tuple[tuple, np.ndarray]]:
@@ -248,8 +250,8 @@ def assemble_model(
             raise LoadError(f"{source}: tensor {name!r} does not belong to a {cfg.architecture} with this config")
         shape = tuple(var.get_value().shape)[0 if layer is None else len(layer):]
         fmt = plan.get(_role(var_path))
-        if fmt is not None:  # the packed values' shape -> the weight's [out, in]
-            shape = (shape[0], shape[1] * (2 if fmt.bits == 4 else 1))
+        if fmt is not None:  # the packed values' shape -> the weight's [..., out, in]
+            shape = (*shape[:-1], shape[-1] * (2 if fmt.bits == 4 else 1))
         expected = shape if part is None else part_shapes(var_path[-2], cfg, shape,
                                                           _rows_axis(var_path, len(shape)))[part]
         window = None
@@ -347,7 +349,8 @@ def assemble_model(
         if len(parts) == NUM_PARTS[path[-2]]:
             ordered = [parts[i] for i in range(len(parts))]
             if isinstance(ordered[0], QuantizedWeight):  # each array fused along its rows
-                fused = QuantizedWeight(*(None if f[0] is None else fuse(path[-2], list(f), cfg)
+                axis = _rows_axis(path, len(expected))  # every array's rows: data's, the scales', the offsets'
+                fused = QuantizedWeight(*(None if f[0] is None else fuse(path[-2], list(f), cfg, axis)
                                           for f in zip(*ordered, strict=True)))
             else:
                 fused = fuse(path[-2], ordered, cfg, _rows_axis(path, len(expected)))

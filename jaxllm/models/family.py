@@ -29,6 +29,8 @@ LLAMA_FUSED: Mapping[str, tuple[str, int]] = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 # The model weights a plan may keep quantized: each is one parameter of every layer, or the embedding / LM head.
 LLAMA_QUANTIZABLE = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "embed_tokens", "lm_head")
+# A mixture of experts' stacked expert weights ([experts, out, in] a layer), named apart from a dense MLP's
+EXPERT_QUANTIZABLE = ("experts.gate_up_proj", "experts.down_proj")
 HF_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                   "gelu": "gelu"}
 

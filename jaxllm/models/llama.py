@@ -21,15 +21,23 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.kernels import Kernels, attention_kernel, choose_kernels, matmul_kernel, quantized_matmul_kernel
+from jaxllm.kernels import (
+    Kernels,
+    attention_kernel,
+    choose_kernels,
+    grouped_quantized_matmul_kernel,
+    matmul_kernel,
+    quantized_matmul_kernel,
+)
 from jaxllm.models.attention import Attention
-from jaxllm.models.family import LLAMA_QUANTIZABLE
+from jaxllm.models.family import EXPERT_QUANTIZABLE, LLAMA_QUANTIZABLE
 from jaxllm.models.layers import Embed, Linear, RMSNorm
+from jaxllm.models.moe import ExpertLinear
 from jaxllm.models.rope import rope_cos_sin, rope_frequencies
 from jaxllm.models.stacked_layers import StackedLayers
 from pallas_kernels.quantized_matmul import QuantFormat
 
-QUANTIZABLE = LLAMA_QUANTIZABLE  # which weights a quantization plan names
+QUANTIZABLE = LLAMA_QUANTIZABLE + EXPERT_QUANTIZABLE  # which weights a quantization plan names
 QuantPlan = dict[str, QuantFormat]  # weight name (QUANTIZABLE) -> its format; absent: float
 
 # K and V, each [kv_heads, num_layers * pages_per_layer, page_size, head_dim]: every layer's pages in one array
@@ -137,9 +145,11 @@ class LlamaForCausalLM(nnx.Module):
         matmul_kernel(kernels)
         if self.quantization:
             quantized_matmul_kernel(kernels)
+        if any(role in EXPERT_QUANTIZABLE for role, _ in self.quantization):
+            grouped_quantized_matmul_kernel(kernels)
         self.kernels = kernels
         for _, module in nnx.iter_modules(self):
-            if isinstance(module, (Linear, Embed, RMSNorm)):
+            if isinstance(module, (Linear, Embed, RMSNorm, ExpertLinear)):
                 module.kernels = kernels
 
     def set_matmul_impl(self, impl: str) -> None:

@@ -18,7 +18,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.layers import Linear, _init
+from jaxllm.kernels import choose_kernels, grouped_quantized_matmul_kernel
+from jaxllm.models.layers import Linear, _init, _init_quantized, _scale_axes
+from jaxllm.models.stacked_layers import LayerSlice
+from pallas_kernels.quantized_matmul import QuantFormat, QuantizedWeight
 
 # lhs [rows, in] ragged on its rows; rhs [experts, out, in]: contract in with in, one group per expert
 _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
@@ -26,34 +29,70 @@ _GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,))
 
 
 class ExpertLinear(nnx.Module):
-    """Every expert's [out, in] weight in one parameter, [experts, out, in]."""
+    """Every expert's [out, in] weight in one parameter, [experts, out, in]; with ``quant`` kept quantized as
+    `jaxllm.models.layers.Linear` keeps a weight (``weight`` the packed values [experts, out, ...],
+    ``weight_scale`` and ``weight_offset`` [experts, out, groups]), multiplied by the grouped quantized matmul
+    (`jaxllm.kernels.grouped_quantized_matmul_kernel`: on CPU only the routed experts' rows are read)."""
 
     def __init__(self, experts: int, in_features: int, out_features: int, axes: tuple[str | None, str | None], *,
-                 dtype, rngs: nnx.Rngs | None, bias: bool = False):
+                 dtype, rngs: nnx.Rngs | None, bias: bool = False, quant: QuantFormat | None = None):
         """axes: logical names of (in, out), as `Linear`'s; bias: each expert's [out] (GPT-OSS)."""
-        self.weight = nnx.Param(_init(rngs, (experts, out_features, in_features), dtype, in_features ** -0.5),
-                                axes=("expert", axes[1], axes[0]))  # [experts, out, in]
+        self.quant = quant
+        w_axes = ("expert", axes[1], axes[0])
+        if quant is None:
+            self.weight = nnx.Param(_init(rngs, (experts, out_features, in_features), dtype, in_features ** -0.5),
+                                    axes=w_axes)  # [experts, out, in]
+        else:
+            parts = [_init_quantized(rngs, quant, out_features, in_features, in_features ** -0.5)
+                     for _ in range(experts if rngs is not None else 1)]
+            data, scale, offset = (None if p[0] is None else _stack_experts(list(p), experts)
+                                   for p in zip(*parts, strict=True))
+            self.weight = nnx.Param(data, axes=w_axes)
+            self.weight_scale = nnx.Param(scale, axes=("expert", *_scale_axes(w_axes[1:], quant, in_features)))
+            self.weight_offset = None if offset is None else nnx.Param(offset, axes=self.weight_scale.axes)
         self.bias = nnx.Param(_init(rngs, (experts, out_features), dtype, 0.02 if rngs is not None else None),
                               axes=("expert", axes[1])) if bias else None  # [experts, out]
+        self.kernels = choose_kernels(dtype=dtype)
 
     def grouped(self, rows: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
         """rows [R, in], sorted by expert, `group_sizes[e]` of them expert e's (`row_experts` [R]: each row's) ->
         [R, out]."""
-        w = self.weight[...]
-        y = jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
-                                       preferred_element_type=jnp.float32)
+        if self.quant is not None:
+            values = [v.get_value() if v is not None else None
+                      for v in (self.weight, self.weight_scale, self.weight_offset)]
+            matmul = grouped_quantized_matmul_kernel(self.kernels)
+            if isinstance(values[0], LayerSlice):  # a layer of the scanned stack: read in place
+                w = QuantizedWeight(*(None if v is None else v.stacked for v in values))
+                y = matmul(rows, w, self.quant, group_sizes, values[0].index).astype(jnp.float32)
+            else:
+                y = matmul(rows, QuantizedWeight(*values), self.quant, group_sizes).astype(jnp.float32)
+        else:
+            w = self.weight[...]
+            y = jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
+                                           preferred_element_type=jnp.float32)
         if self.bias is not None:
             y = y + self.bias[...][row_experts].astype(jnp.float32)
         return y.astype(rows.dtype)
 
 
+def _stack_experts(values: list, experts: int):
+    """One expert's quantized arrays (or shapes) -> [experts, ...]: random ones stacked, shapes given the axis."""
+    if isinstance(values[0], jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct((experts, *values[0].shape), values[0].dtype)
+    return jnp.stack(values)
+
+
 class Experts(nnx.Module):
     """The experts' gated MLPs: gate/up rows interleaved ``[mlp, 2]`` as the dense MLP's."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
+        """quant: the model's quantization plan (`experts.gate_up_proj`, `experts.down_proj` its roles here)."""
         n, e, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
-        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias)
+        quant = quant or {}
+        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias,
+                                         quant=quant.get("experts.gate_up_proj"))
+        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias,
+                                      quant=quant.get("experts.down_proj"))
 
 
 class MoE(nnx.Module):
@@ -66,7 +105,7 @@ class MoE(nnx.Module):
         e = cfg.hidden_size
         self.gate = Linear(e, cfg.num_experts, ("embed", None), bias=cfg.moe_bias, dtype=dtype,
                            rngs=rngs)  # [experts, embed]
-        self.experts = Experts(cfg, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg, dtype=dtype, rngs=rngs, quant=quant)
         self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.activation = cfg.activation
         self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha

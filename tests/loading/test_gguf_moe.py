@@ -1,9 +1,9 @@
 """Mixture-of-experts GGUF files as llama.cpp's converter writes them (Qwen3-MoE's "qwen3moe", Qwen2-MoE's
 "qwen2moe" with its shared expert, Mixtral's "llama" with experts; each layer's experts stacked per projection, the
 router in `ffn_gate_inp`, expert count, top-k and width in the metadata): float32 logits equal transformers', and
-a Q8_0 Qwen3-MoE file (experts dequantized to float as they load) keeps transformers' greedy tokens up to Q8_0's
-rounding. (llama.cpp's llama-server gave the same greedy tokens on the float32 Qwen3-MoE file: checked by hand, the
-suite does not build llama.cpp.)"""
+a Q8_0 Qwen3-MoE file (experts kept quantized, multiplied by the grouped kernel) keeps transformers' greedy tokens
+up to Q8_0's rounding. (llama.cpp's llama-server gave the same greedy tokens on the float32 Qwen3-MoE file: checked
+by hand, the suite does not build llama.cpp.)"""
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,6 +39,7 @@ def test_q8_0_qwen3_moe_gguf_greedy_within_quantization(tiny_model_dir, tmp_path
     _, hf_model = tiny_model_dir("qwen3_moe")
     path = write_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
     llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=16, num_pages=64, max_model_len=64, page_size=4)
-    assert dict(llm.engine.model.quantization)["qkv_proj"].name == "q8_0"  # attention kept quantized
+    plan = dict(llm.engine.model.quantization)
+    assert plan["qkv_proj"].name == plan["experts.gate_up_proj"].name == plan["experts.down_proj"].name == "q8_0"
     rng = np.random.default_rng(5)
     assert_greedy_within(llm, hf_model, [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)])

@@ -6,10 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from jaxllm.config import ConfigError, ModelConfig
-from jaxllm.models.family import LLAMA_GGUF_LAYER_NAMES, FamilySpec, llama_config
+from jaxllm.models.family import EXPERT_QUANTIZABLE, LLAMA_GGUF_LAYER_NAMES, FamilySpec, llama_config
 
-# Expert weights stay float: the quantizable weights are attention's and the embeddings'.
-MOE_QUANTIZABLE = ("qkv_proj", "o_proj", "embed_tokens", "lm_head")
+# Attention's, the embeddings' and the experts' (a shared expert stays float).
+MOE_QUANTIZABLE = ("qkv_proj", "o_proj", "embed_tokens", "lm_head", *EXPERT_QUANTIZABLE)
 
 
 def moe_config(hf: dict[str, Any], spec: FamilySpec, *, width_key: str, norm_topk_default: bool,
