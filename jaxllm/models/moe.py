@@ -1,13 +1,15 @@
 """A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS): the router's softmax picks each token's top-k
-experts; the (token, expert) pairs are grouped by expert (by counting), each expert's rows run through its gated MLP
-as one group of a grouped matmul (`jax.lax.ragged_dot_general`: one GEMM per expert on GPU and TPU), and each token's
-outputs are added back in a fixed order (its k experts by rank), so a token's output depends on its own routing
-only, never on which other tokens share the step. Expert weights are stacked ``[experts, out, in]`` as checkpoints
-hold each expert's [out, in] (the loader fills the expert axis from the per-expert tensors). GPT-OSS adds biases to
-the router and the experts, and a clamped SwiGLU (`ModelConfig.swiglu_limit`).
+experts; each (token, expert) pair's row runs through its expert's gated MLP (`ExpertLinear`: the rows in pair
+order, each by its own expert), and each token's outputs are added back in a fixed order (its k experts by rank),
+so a token's output depends on its own routing only, never on which other tokens share the step. Expert weights
+are stacked ``[experts, out, in]`` as checkpoints hold each expert's [out, in] (the loader fills the expert axis
+from the per-expert tensors), float or kept quantized (a GGUF's blocks). GPT-OSS adds biases to the router and the
+experts, and a clamped SwiGLU (`ModelConfig.swiglu_limit`).
 
-XLA:CPU runs a grouped matmul as a dense one over every expert, masked (experts / k times the work a token needs):
-exact, but a CPU kernel that reads only the chosen experts' rows is still to come."""
+How the pairs meet their experts is the kernels': float experts and the quantized reference group the rows by
+expert and run a grouped matmul (`pallas_kernels.expert_matmul`: a GEMM per expert on GPU and TPU; on CPU a dense
+product over every expert, masked: experts / k times the work); quantized experts on CPU run the grouped int8
+kernel, which reads only the routed experts."""
 
 from __future__ import annotations
 
@@ -21,11 +23,8 @@ from jaxllm.config import ModelConfig
 from jaxllm.kernels import choose_kernels, grouped_quantized_matmul_kernel
 from jaxllm.models.layers import Linear, _init, _init_quantized, _scale_axes
 from jaxllm.models.stacked_layers import LayerSlice
+from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.quantized_matmul import QuantFormat, QuantizedWeight
-
-# lhs [rows, in] ragged on its rows; rhs [experts, out, in]: contract in with in, one group per expert
-_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
 
 
 class ExpertLinear(nnx.Module):
@@ -54,24 +53,21 @@ class ExpertLinear(nnx.Module):
                               axes=("expert", axes[1])) if bias else None  # [experts, out]
         self.kernels = choose_kernels(dtype=dtype)
 
-    def grouped(self, rows: jax.Array, group_sizes: jax.Array, row_experts: jax.Array) -> jax.Array:
-        """rows [R, in], sorted by expert, `group_sizes[e]` of them expert e's (`row_experts` [R]: each row's) ->
-        [R, out]."""
+    def __call__(self, rows: jax.Array, experts: jax.Array) -> jax.Array:
+        """rows [R, in], each multiplied by its expert's weight (`experts` [R], any order) -> [R, out]."""
         if self.quant is not None:
             values = [v.get_value() if v is not None else None
                       for v in (self.weight, self.weight_scale, self.weight_offset)]
             matmul = grouped_quantized_matmul_kernel(self.kernels)
             if isinstance(values[0], LayerSlice):  # a layer of the scanned stack: read in place
                 w = QuantizedWeight(*(None if v is None else v.stacked for v in values))
-                y = matmul(rows, w, self.quant, group_sizes, values[0].index).astype(jnp.float32)
+                y = matmul(rows, w, self.quant, experts, values[0].index).astype(jnp.float32)
             else:
-                y = matmul(rows, QuantizedWeight(*values), self.quant, group_sizes).astype(jnp.float32)
+                y = matmul(rows, QuantizedWeight(*values), self.quant, experts).astype(jnp.float32)
         else:
-            w = self.weight[...]
-            y = jax.lax.ragged_dot_general(rows.astype(w.dtype), w, group_sizes, _GROUPED,
-                                           preferred_element_type=jnp.float32)
+            y = expert_matmul(rows, self.weight[...], experts)
         if self.bias is not None:
-            y = y + self.bias[...][row_experts].astype(jnp.float32)
+            y = y + self.bias[...][experts].astype(jnp.float32)
         return y.astype(rows.dtype)
 
 
@@ -130,14 +126,10 @@ class MoE(nnx.Module):
         n, k = flat.shape[0], self.top_k
         weights, experts = self.route(flat)
         pairs = experts.reshape(-1)  # [N * k]: token t's rank-j expert at t * k + j
-        slot, sizes = _group_by_expert(pairs, self.num_experts)
-        order = jnp.zeros_like(pairs).at[slot].set(jnp.arange(n * k, dtype=pairs.dtype))  # slot -> pair
-        rows = flat[order // k]  # [N * k, E], grouped by expert
-        row_experts = pairs[order]  # [N * k]
-        gate_up = self.experts.gate_up_proj.grouped(rows, sizes, row_experts).reshape(n * k, -1, 2)  # [N*k, mlp, 2]
+        rows = jnp.repeat(flat, k, axis=0)  # [N * k, E], pair order
+        gate_up = self.experts.gate_up_proj(rows, pairs).reshape(n * k, -1, 2)  # [N * k, mlp, 2]
         hidden = self._gated(gate_up[..., 0], gate_up[..., 1])
-        out = self.experts.down_proj.grouped(hidden, sizes, row_experts)  # [N * k, E], grouped by expert
-        out = out[slot].reshape(n, k, e)  # back to token order
+        out = self.experts.down_proj(hidden, pairs).reshape(n, k, e)
         y = weights[:, 0, None] * out[:, 0].astype(jnp.float32)
         for j in range(1, k):  # a fixed order: a token's sum never depends on its neighbours
             y = y + weights[:, j, None] * out[:, j].astype(jnp.float32)
@@ -155,17 +147,6 @@ class MoE(nnx.Module):
         limit = self.swiglu_limit  # GPT-OSS's clamped SwiGLU
         gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
         return gate * jax.nn.sigmoid(gate * self.swiglu_alpha) * (up + 1)
-
-
-def _group_by_expert(pairs: jax.Array, num_experts: int) -> tuple[jax.Array, jax.Array]:
-    """pairs [P] (each pair's expert) -> (slot [P]: where each pair goes when the pairs are grouped by expert, in
-    their order within a group; sizes [experts] int32). Counting, not sorting: XLA:CPU cannot serialize a sort's
-    comparator, and the engine keeps its steps' executables in a cache on disk."""
-    one_hot = (pairs[:, None] == jnp.arange(num_experts, dtype=pairs.dtype)).astype(jnp.int32)  # [P, experts]
-    sizes = jnp.sum(one_hot, axis=0)
-    rank = jnp.take_along_axis(jnp.cumsum(one_hot, axis=0), pairs[:, None], axis=1)[:, 0]  # 1-based, in group
-    first = jnp.cumsum(sizes) - sizes  # each group's first slot
-    return first[pairs] + rank - 1, sizes
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

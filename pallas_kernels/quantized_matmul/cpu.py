@@ -102,26 +102,26 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     return y.reshape(*x.shape[:-1], data.shape[1])
 
 
-def grouped_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, group_sizes: jax.Array,
+def grouped_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, experts: jax.Array,
                    layer: jax.Array | None = None, *, isa: str | None = None) -> jax.Array:
-    """`reference.grouped_matmul` on CPU: with an int8 path that takes x and fmt, one custom call multiplies each
-    expert's rows by that expert's weights only, read in place in the stack (experts without rows are never
-    read), each row's result as `matmul` gives it (the same kernel loop: batch invariant); else the reference
-    (every expert dequantized)."""
+    """`reference.grouped_matmul` on CPU: with an int8 path that takes x and fmt, one custom call groups the rows
+    by expert and multiplies each expert's rows by that expert's weights only, read in place in the stack (experts
+    without rows are never read), each row's result as `matmul` gives it (the same kernel loop: batch invariant,
+    whatever the grouping); else the reference (every expert dequantized)."""
     if isa is None or not int8_applies(x, fmt):
-        return grouped_reference(x, w, fmt, group_sizes, layer)
+        return grouped_reference(x, w, fmt, experts, layer)
     register_grouped(isa)
     data, scale, offset = w
     if offset is None:
         offset = jnp.zeros((*scale.shape[:-1], 0), scale.dtype)
     if layer is None:
         data, scale, offset = data[None], scale[None], offset[None]
-    experts = data.shape[1]
+    count = data.shape[1]
     # [layers * experts, out, ...]: a reshape of the stack (no copy); layer l's expert e is matrix l * E + e
-    data, scale, offset = (a.reshape(a.shape[0] * experts, *a.shape[2:]) for a in (data, scale, offset))
-    base = jnp.asarray(0 if layer is None else layer, jnp.int32) * experts
+    data, scale, offset = (a.reshape(a.shape[0] * count, *a.shape[2:]) for a in (data, scale, offset))
+    base = jnp.stack([jnp.asarray(0 if layer is None else layer, jnp.int32) * count, jnp.int32(count)])
     t, n = x.shape
     out = (jax.ShapeDtypeStruct((t, data.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, n), jnp.int8),
            *[jax.ShapeDtypeStruct((t, n // activations.BLOCK), jnp.float32)] * 2)
-    y = jax.ffi.ffi_call(grouped_target(isa), out)(x, data, scale, offset, group_sizes.astype(jnp.int32), base)[0]
+    y = jax.ffi.ffi_call(grouped_target(isa), out)(x, data, scale, offset, experts.astype(jnp.int32), base)[0]
     return y.astype(x.dtype)

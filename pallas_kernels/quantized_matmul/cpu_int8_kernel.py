@@ -502,23 +502,55 @@ def _build(isa: str):
 
 
 @numba.njit(**_KW)
-def group_table(sizes, base, o):
-    """The grouped matmul's chunks: per expert with inputs (`sizes` [experts], inputs sorted by expert), one
-    entry per ROWS_PER_CHUNK output rows: (weight matrix base + expert, its first input, its inputs, first output
-    row) [n, 4]."""
+def group_rows(experts, num_experts, base, o):
+    """Rows by expert: (order [R]: the rows grouped by expert, in row order within an expert (a stable counting
+    sort); the launch's chunks [n, 4]: per expert with rows, one entry per ROWS_PER_CHUNK output rows, (weight
+    matrix base + expert, its first row in `order`, its rows, first output row)). An expert index out of range is
+    clamped into it."""
+    counts = np.zeros(num_experts + 1, np.int64)
+    for r in range(experts.shape[0]):
+        counts[min(max(np.int64(experts[r]), 0), num_experts - 1) + 1] += 1
+    for e in range(num_experts):
+        counts[e + 1] += counts[e]  # counts[e]: expert e's first slot
+    order = np.empty(experts.shape[0], np.int64)
+    fill = counts[:num_experts].copy()
+    for r in range(experts.shape[0]):
+        e = min(max(np.int64(experts[r]), 0), num_experts - 1)
+        order[fill[e]] = r
+        fill[e] += 1
     per = (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK
-    firsts = np.zeros(sizes.shape[0], np.int64)
-    for e in range(1, sizes.shape[0]):
-        firsts[e] = firsts[e - 1] + sizes[e - 1]
-    table = np.empty((np.count_nonzero(sizes) * per, 4), np.int64)
+    used = 0
+    for e in range(num_experts):
+        used += counts[e + 1] > counts[e]
+    table = np.empty((used * per, 4), np.int64)
     i = 0
-    for e in range(sizes.shape[0]):
-        if sizes[e] <= 0:
+    for e in range(num_experts):
+        if counts[e + 1] == counts[e]:
             continue
         for j in range(per):
-            table[i, 0], table[i, 1], table[i, 2], table[i, 3] = base + e, firsts[e], sizes[e], j * ROWS_PER_CHUNK
+            table[i, 0], table[i, 1], table[i, 2] = base + e, counts[e], counts[e + 1] - counts[e]
+            table[i, 3] = j * ROWS_PER_CHUNK
             i += 1
-    return table
+    return order, table
+
+
+@numba.njit(**_KW)
+def _gather_rows(x_p, order, t, n):
+    x = carray(to_ptr(x_p), (t, n), dtype=np.float32)
+    out = np.empty((t, n), np.float32)
+    for i in range(t):
+        for j in range(n):  # element loops: numba compiles a row slice's broadcasting for seconds
+            out[i, j] = x[order[i], j]
+    return out
+
+
+@numba.njit(**_KW)
+def _scatter_rows(y_p, order, rows):
+    t, o = rows.shape
+    y = carray(to_ptr(y_p), (t, o), dtype=np.float32)
+    for i in range(t):
+        for j in range(o):
+            y[order[i], j] = rows[i, j]
 
 
 @functools.cache
@@ -536,16 +568,18 @@ def grouped_handler(isa: str):
                                       for layout in LAYOUTS)
 
     def ffi_handler(frame_ptr):
-        """Inputs: x [R, in] f32 (rows sorted by expert), data [M, out, P] u8/s8, scale [M, out, G] f16/f32,
-        offset [M, out, G' or 0], sizes [E] s32 (each expert's rows), base [] s32 (expert e's matrix is base + e,
-        clamped into range); outputs y [R, out] f32 and the int8 blocks' scratch, as `handler`'s."""
+        """Inputs: x [R, in] f32, data [M, out, P] u8/s8, scale [M, out, G] f16/f32, offset [M, out, G' or 0],
+        experts [R] s32 (each row's, any order), base [2] s32 (the first matrix of this call's experts, their
+        count: row r's matrix is base[0] + experts[r], clamped into range); outputs y [R, out] f32 and the int8
+        blocks' scratch, as `handler`'s (the rows grouped by expert there). The rows are grouped by expert here
+        (each expert's matrix then meets all of its rows in one pass), multiplied, and put back in order."""
         frame = to_int(frame_ptr)
         if is_execute(frame):
             x_p, x_d = buffer(frame, 0)
             d_p, d_d = buffer(frame, 1)
             s_p, s_d = buffer(frame, 2)
             o_p, o_d = buffer(frame, 3)
-            sizes_p, sizes_d = buffer(frame, 4)
+            experts_p, _ = buffer(frame, 4)
             base_p, _ = buffer(frame, 5)
             y_p, _ = buffer(frame, 0, True)
             xq_p, _ = buffer(frame, 1, True)
@@ -553,20 +587,23 @@ def grouped_handler(isa: str):
             xs_p, _ = buffer(frame, 3, True)
             t, n = dim(x_d, 0), dim(x_d, 1)
             o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
-            experts = dim(sizes_d, 0)
-            base = min(max(np.int64(load32(base_p)), 0), dim(d_d, 0) - experts)
-            sizes = carray(to_ptr(sizes_p), (experts,), dtype=np.int32)
-            table = group_table(sizes, base, o)
+            count = min(max(np.int64(load32(base_p + 4)), 1), dim(d_d, 0))
+            base = min(max(np.int64(load32(base_p)), 0), dim(d_d, 0) - count)
+            order, table = group_rows(carray(to_ptr(experts_p), (t,), dtype=np.int32), count, base, o)
+            rows = _gather_rows(x_p, order, t, n)
+            out = np.empty((t, o), np.float32)
             scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
-            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
-                   _quantize_chunk_fn(), True)
+            launch(frame, (np.int64(rows.ctypes.data), xq_p, xd_p, xs_p, t, n),
+                   (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS, _quantize_chunk_fn(), True)
             if buffer_dtype(frame, 1) == U8:
                 fn = q4_f16() if scale_size == 2 else q4_f32()
             else:
                 fn = q8_f16() if scale_size == 2 else q8_f32()
-            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups,
-                           np.int64(table.ctypes.data)), table.shape[0], fn, True)
+            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, np.int64(out.ctypes.data), t, n, o, p, groups,
+                           offset_groups, np.int64(table.ctypes.data)), table.shape[0], fn, True)
+            _scatter_rows(y_p, order, out)
             keep_alive(table)
+            keep_alive(rows)
         return to_ptr(0)
     return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)
 

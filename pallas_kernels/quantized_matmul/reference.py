@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dot_precision, take_layer
+from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, QuantFormat, QuantizedWeight
 
 
@@ -62,20 +63,13 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     return _dot(x, dequantize(w, fmt, x.dtype))
 
 
-_GROUPED = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (2,)), ((), ())),
-                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
-def grouped_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, group_sizes: jax.Array,
+def grouped_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, experts: jax.Array,
                    layer: jax.Array | None = None) -> jax.Array:
-    """A mixture of experts' projection: x [R, in] (rows sorted by expert, `group_sizes` [experts] of them each
-    expert's) @ dequantize(w)[expert, out, in]^T -> [R, out] (x's dtype); w's arrays [experts, out, ...], or with
-    `layer` stacks [layers, experts, out, ...]. The experts dequantized in the step, then a grouped matmul (XLA
-    fuses the conversion on GPU and TPU)."""
-    experts = dequantize(layer_of(w, layer), fmt, x.dtype)  # [experts, out, in]
-    return jax.lax.ragged_dot_general(x, experts, group_sizes.astype(jnp.int32), _GROUPED,
-                                      precision=dot_precision(x), preferred_element_type=jnp.float32
-                                      ).astype(x.dtype)
+    """A mixture of experts' projection: each row of x [R, in] by its expert's (`experts` [R], any order)
+    dequantize(w)[expert, out, in]^T -> [R, out] (x's dtype); w's arrays [experts, out, ...], or with `layer`
+    stacks [layers, experts, out, ...]. The experts dequantized in the step, then `expert_matmul` (XLA fuses the
+    conversion on GPU and TPU)."""
+    return expert_matmul(x, dequantize(layer_of(w, layer), fmt, x.dtype), experts).astype(x.dtype)
 
 
 def row_tiles(out_features: int, max_tile: int = 512) -> int:

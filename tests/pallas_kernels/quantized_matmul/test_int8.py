@@ -134,21 +134,20 @@ def _grouped(path):
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
 def test_the_grouped_kernel_gives_each_row_its_experts_plain_result(kind):
-    """A mixture of experts' projection: rows sorted by expert, some experts with none, one layer of a stack of
-    [layers, experts, out, in] read in place. Each row's output is, bit for bit, the plain kernel's for that row
-    and its expert's matrix (one arithmetic: batch invariant whatever else is routed), and close to the
-    reference's grouped matmul of the dequantized experts."""
+    """A mixture of experts' projection: rows in any order, each by its expert (some experts with none, one with
+    several apart), one layer of a stack of [layers, experts, out, in] read in place. Each row's output is, bit for
+    bit, the plain kernel's for that row and its expert's matrix (one arithmetic: batch invariant whatever else is
+    routed), and close to the float64 product; the reference (dequantized experts) close to the float product."""
     paths = isa.available()
     if not paths:
         pytest.skip(f"no integer path on this CPU ({isa.describe()})")
     layers, experts, out, n = 2, 6, 40, 256  # 40 rows: two full 16-row chunks and a tail
     w, fmt, wf = _case(kind, (layers, experts, out, n))
-    sizes = np.array([3, 0, 1, 5, 0, 2], np.int32)
-    x = np.random.default_rng(5).standard_normal((int(sizes.sum()), n)).astype(np.float32)
-    row_expert = np.repeat(np.arange(experts), sizes)
+    row_expert = np.array([3, 0, 3, 5, 2, 3, 0, 5, 3, 0, 3], np.int32)  # experts 1 and 4: no row
+    x = np.random.default_rng(5).standard_normal((len(row_expert), n)).astype(np.float32)
     for layer in (0, 1):
         for path in paths:
-            got = np.asarray(_grouped(path)(jnp.asarray(x), w, fmt, jnp.asarray(sizes), jnp.int32(layer)))
+            got = np.asarray(_grouped(path)(jnp.asarray(x), w, fmt, jnp.asarray(row_expert), jnp.int32(layer)))
             assert got.shape == (len(x), out)
             for r, e in enumerate(row_expert):
                 one = jax.tree.map(lambda a, e=e, layer=layer: None if a is None else a[layer, e], w,
@@ -159,5 +158,5 @@ def test_the_grouped_kernel_gives_each_row_its_experts_plain_result(kind):
         wr = np.asarray(wf, np.float64)[layer, row_expert]  # [rows, out, in]: each row's expert
         exact = np.einsum("rn,ron->ro", xa, wr)
         assert np.all(np.abs(got - exact) <= 2e-6 * n ** 0.5 * np.einsum("rn,ron->ro", np.abs(xa), np.abs(wr)))
-        reference = cpu.grouped_reference(jnp.asarray(x), w, fmt, jnp.asarray(sizes), jnp.int32(layer))
+        reference = cpu.grouped_reference(jnp.asarray(x), w, fmt, jnp.asarray(row_expert), jnp.int32(layer))
         np.testing.assert_allclose(np.asarray(reference), np.einsum("rn,ron->ro", x, wr), rtol=1e-4, atol=1e-4)
