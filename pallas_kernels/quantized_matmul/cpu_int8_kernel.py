@@ -419,7 +419,7 @@ def _chunk(isa, bits, half, grouped=False):
             t1 = min(t, t0 + block)
             r = r0
             while r < r1:
-                rows = 4 if t == 1 else rows_many
+                rows = 4 if t < toks else rows_many  # inputs too few for a block: a row block meets each
                 rows = rows if r + rows <= r1 else 1
                 if t == 1:
                     ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
