@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class ConfigError(ValueError):
@@ -42,6 +42,13 @@ class RopeConfig:
     mrope_interleaved: bool = False
     # The share of each head's dimensions that rotates (Phi-3.5, Phi-4-mini: 0.75); the rest passes through.
     partial_rotary_factor: float = 1.0
+    # longrope (Phi-3/3.5 128k, Phi-4-mini): per-frequency divisors for contexts up to
+    # original_max_position_embeddings (short) and beyond (long), and which set the model runs: the long one when
+    # its context can exceed the original (`LlamaForCausalLM.set_context_length`, as llama.cpp picks by its context
+    # size; transformers picks by each forward's length, which a KV cache cannot follow)
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+    long_context: bool = False
 
     def __post_init__(self) -> None:
         if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -56,7 +63,13 @@ class RopeConfig:
             object.__setattr__(self, "mrope_section", tuple(int(v) for v in self.mrope_section))
             if len(self.mrope_section) != 3:
                 raise ConfigError(f"mrope_section must have 3 entries (t, h, w), got {self.mrope_section}")
-        if self.rope_type in ("llama3", "yarn") and self.original_max_position_embeddings is None:
+        for name in ("short_factor", "long_factor", "freq_factors"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, tuple(float(v) for v in getattr(self, name)))
+        if self.rope_type == "longrope" and (self.short_factor is None or self.long_factor is None
+                                             or len(self.short_factor) != len(self.long_factor)):
+            raise ConfigError("longrope needs short_factor and long_factor of one length (rotary_dim / 2)")
+        if self.rope_type in ("llama3", "yarn", "longrope") and self.original_max_position_embeddings is None:
             raise ConfigError(f"rope type {self.rope_type!r} needs original_max_position_embeddings")
 
     @classmethod
@@ -70,6 +83,11 @@ class RopeConfig:
         rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
         if rope_type == "mrope":  # Qwen2-VL's flat configs name it a type; the frequencies are the default ones
             rope_type = "default"
+        if rope_type in ("longrope", "su"):  # "su": Phi-3's first name for it; the original length top-level
+            rope_type = "longrope"
+            params.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+            if params.get("factor") is None and params["original_max_position_embeddings"]:
+                params["factor"] = hf.get("max_position_embeddings", 0) / params["original_max_position_embeddings"]
         if "partial_rotary_factor" not in params and hf.get("partial_rotary_factor") is not None:
             params["partial_rotary_factor"] = hf["partial_rotary_factor"]
         names = {f.name for f in dataclasses.fields(cls)}

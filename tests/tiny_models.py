@@ -22,6 +22,12 @@ ARCHITECTURE_CASES = {
     # fused qkv/gate_up checkpoint tensors, half of each head rotating, a window shorter than the prompts
     "phi3": ("Phi3Config", dict(partial_rotary_factor=0.5, sliding_window=6, pad_token_id=0, bos_token_id=1,
                                 eos_token_id=2, tie_word_embeddings=False)),
+    # Phi-3 128k's LongRoPE: per-frequency factors for contexts up to 32 tokens (short) and beyond (long), cos/sin
+    # scaled by sqrt(1 + ln 8 / ln 32)
+    "phi3_longrope": ("Phi3Config", dict(partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                         tie_word_embeddings=False, original_max_position_embeddings=32,
+                                         rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 2.2, 3.9],
+                                                       "long_factor": [1.5, 4.0, 11.0, 30.0]})),
     # Gemma 2: windowed and global layers alternating, a window shorter than the prompts, soft caps low enough to
     # bend scores and logits, an attention scale that is not head_dim's
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=6, query_pre_attn_scalar=24,

@@ -100,6 +100,8 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
         model.set_classifier_tokens(_classifier_ids(model, tokenizer, config.classifier_tokens))
     tasks, pooling = _tasks(config, model, loaded, name)
     kv = plan_kv_cache(config, model)
+    if hasattr(model, "set_context_length"):
+        model.set_context_length(kv.max_model_len)  # before any step is traced (LongRoPE's factor set)
     encoder = _encoder_parts(config, model, loaded) if model.multimodal else None
     limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=kv.max_model_len, max_n=config.max_n,
                            hidden_size=cfg.hidden_size, tasks=tasks)

@@ -128,6 +128,15 @@ class LlamaForCausalLM(nnx.Module):
         self.set_kernels(kernels or choose_kernels(attn_impl, matmul_impl, dtype=dtype))
         self.classifier_token_ids: tuple[int, ...] = ()  # static: a reranker's label tokens (see `classify`)
 
+    def set_context_length(self, max_len: int) -> None:
+        """The longest context this model will run (the engine's max_model_len), for a RoPE whose frequencies
+        depend on it: LongRoPE runs its long factors when `max_len` exceeds the original context, its short ones
+        otherwise, for every position (llama.cpp's choice by its context size). Call before tracing a step."""
+        rope = self.config.rope
+        if rope.rope_type == "longrope":
+            long = max_len > rope.original_max_position_embeddings
+            self.config = dataclasses.replace(self.config, rope=dataclasses.replace(rope, long_context=long))
+
     def set_classifier_tokens(self, token_ids: tuple[int, ...]) -> None:
         """Makes the model a classifier whose label scores are the last token's logits of `token_ids` (a
         Qwen3-Reranker reads ("no", "yes")): what `classify` returns."""

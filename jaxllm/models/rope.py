@@ -32,7 +32,23 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[np.ndarray, float
         return (inv_freq / rope.factor).astype(np.float32), 1.0
     if rope.rope_type == "llama3":
         return _llama3(rope, inv_freq), 1.0
+    if rope.rope_type == "longrope":
+        return _longrope(rope, exponents)
     return _yarn(rope, head_dim)
+
+
+def _longrope(rope: RopeConfig, exponents: np.ndarray) -> tuple[np.ndarray, float]:
+    """Phi-3's LongRoPE: each frequency divided by its factor of the set the model runs (`RopeConfig.long_context`);
+    cos and sin scaled by sqrt(1 + ln(factor) / ln(original length)) unless the config gives the factor."""
+    factors = np.asarray(rope.long_factor if rope.long_context else rope.short_factor, np.float32)
+    if factors.shape != exponents.shape:
+        raise ValueError(f"longrope has {factors.size} factors for {exponents.size} rotary frequencies")
+    inv_freq = 1.0 / (factors * rope.theta ** exponents)
+    attention = rope.attention_factor
+    if attention is None:
+        original = rope.original_max_position_embeddings
+        attention = 1.0 if rope.factor <= 1 else math.sqrt(1 + math.log(rope.factor) / math.log(original))
+    return inv_freq.astype(np.float32), float(attention)
 
 
 def _llama3(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
