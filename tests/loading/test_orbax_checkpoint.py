@@ -73,3 +73,22 @@ def test_a_gemma3_checkpoint_keeps_its_config(tiny_model_dir, tmp_path):
     assert back.config == lm.config and back.config.local_rope.theta == 100.0
     ids = jnp.asarray([[5, 17, 300, 2, 9, 41, 8, 77, 12]])
     np.testing.assert_array_equal(np.asarray(back.model(ids)), np.asarray(lm.model(ids)))
+
+
+@pytest.mark.parametrize("case", ["gpt_oss", "phi3_longrope", "qwen3_moe-q8_0"])
+def test_new_families_round_trip(case, tiny_model_dir, tmp_path):
+    """GPT-OSS (sinks, expert biases, the SwiGLU limit), LongRoPE's factor sets, a GGUF's quantized experts: the
+    restored model's config and logits equal the saved one's."""
+    from gguf import GGMLQuantizationType as T
+
+    from tests.gguf_writer import write_moe_gguf
+
+    name, _, qtype = case.partition("-")
+    folder, hf_model = tiny_model_dir(name)
+    source = write_moe_gguf(hf_model, tmp_path / "moe.gguf", T.Q8_0) if qtype else folder
+    lm = load_model(source, dtype="float32", load_tokenizer_too=False)
+    save_checkpoint(lm.model, tmp_path / "ckpt")
+    back = load_model(tmp_path / "ckpt", dtype="float32", load_tokenizer_too=False)
+    assert back.config == lm.config and back.model.quant_plan == lm.model.quant_plan
+    ids = jnp.asarray([[5, 900, 17, 33, 250, 4, 61, 700, 12]])
+    np.testing.assert_array_equal(np.asarray(back.model(ids)), np.asarray(lm.model(ids)))
