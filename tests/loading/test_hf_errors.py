@@ -71,7 +71,8 @@ def test_unknown_architecture(copy_of):
     folder = copy_of()
     _edit_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(LoadError, match=r"config.json: unsupported architecture 'GPT2LMHeadModel'; supported: "
-                                        r"Gemma2ForCausalLM, Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, "
+                                        r"Gemma2ForCausalLM, Gemma3ForCausalLM, GptOssForCausalLM, LlamaForCausalLM, "
+                                        r"MistralForCausalLM, "
                                         r"MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
                                         r"Qwen3ForCausalLM, Qwen3MoeForCausalLM"):
         load_model(folder)
