@@ -458,14 +458,46 @@ def handler(isa: str):
     return _build(isa)
 
 
-def _build(isa: str):
-    """The handler of one path, dispatching to four chunk loops (4-/8-bit data, float16/float32 scales)."""
+def _chunk_symbols(isa: str, grouped: bool = False) -> tuple:
+    """Compiles (or loads) `isa`'s four chunk loops (4-/8-bit data, float16/float32 scales; a grouped matmul's
+    with `grouped`) and returns the intrinsics of their addresses, in LAYOUTS order."""
+    kind = "grouped_chunk" if grouped else "chunk"
     for layout in LAYOUTS:
         cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
-            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16")))
-        export_symbol(f"jaxllm_cpu_q8act_chunk_{isa}_{layout}", cfunc.address)
+            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16"), grouped=grouped))
+        export_symbol(f"jaxllm_cpu_q8act_{kind}_{isa}_{layout}", cfunc.address)
         _KEEP.append(cfunc)
-    q4_f16, q4_f32, q8_f16, q8_f32 = (symbol(f"jaxllm_cpu_q8act_chunk_{isa}_{layout}", True) for layout in LAYOUTS)
+    return tuple(symbol(f"jaxllm_cpu_q8act_{kind}_{isa}_{layout}", True) for layout in LAYOUTS)
+
+
+@numba.njit(inline="always", **_KW)
+def _operands(frame):
+    """The matmul operands both handlers read: (x, data, scale, offset and output addresses; t, n, o, p, groups,
+    offset groups, the scales' size; whether the data is 4-bit; the dims of data)."""
+    x_p, x_d = buffer(frame, 0)
+    d_p, d_d = buffer(frame, 1)
+    s_p, s_d = buffer(frame, 2)
+    o_p, o_d = buffer(frame, 3)
+    y_p, _ = buffer(frame, 0, True)
+    xq_p, _ = buffer(frame, 1, True)
+    xd_p, _ = buffer(frame, 2, True)
+    xs_p, _ = buffer(frame, 3, True)
+    scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
+    return (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, dim(x_d, 0), dim(x_d, 1), dim(d_d, 1), dim(d_d, 2),
+            dim(s_d, 2), dim(o_d, 2), scale_size, buffer_dtype(frame, 1) == U8, dim(d_d, 0))
+
+
+@numba.njit(inline="always", **_KW)
+def _pick(four_bit, scale_size, q4_f16, q4_f32, q8_f16, q8_f32):
+    """The chunk loop's address for the data's layout."""
+    if four_bit:
+        return q4_f16 if scale_size == 2 else q4_f32
+    return q8_f16 if scale_size == 2 else q8_f32
+
+
+def _build(isa: str):
+    """The handler of one path, dispatching to four chunk loops (4-/8-bit data, float16/float32 scales)."""
+    q4_f16, q4_f32, q8_f16, q8_f32 = _chunk_symbols(isa)
 
     def ffi_handler(frame_ptr):
         """Inputs: x [T, in] f32, data [L, out, P] u8/s8, scale [L, out, G] f16/f32, offset [L, out, G' or 0],
@@ -473,28 +505,16 @@ def _build(isa: str):
         s8, xd and xs [T, in / 32] f32. The layer index is clamped into range, as XLA clamps a dynamic slice's."""
         frame = to_int(frame_ptr)
         if is_execute(frame):
-            x_p, x_d = buffer(frame, 0)
-            d_p, d_d = buffer(frame, 1)
-            s_p, s_d = buffer(frame, 2)
-            o_p, o_d = buffer(frame, 3)
+            (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
+             matrices) = _operands(frame)
             layer_p, _ = buffer(frame, 4)
-            y_p, _ = buffer(frame, 0, True)
-            xq_p, _ = buffer(frame, 1, True)
-            xd_p, _ = buffer(frame, 2, True)
-            xs_p, _ = buffer(frame, 3, True)
-            t, n = dim(x_d, 0), dim(x_d, 1)
-            o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
-            layer = min(max(np.int64(load32(layer_p)), 0), dim(d_d, 0) - 1)
-            scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
+            layer = min(max(np.int64(load32(layer_p)), 0), matrices - 1)
             d_p += layer * o * p
             s_p += layer * o * groups * scale_size
             o_p += layer * o * offset_groups * scale_size
             launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
                    _quantize_chunk_fn(), True)
-            if buffer_dtype(frame, 1) == U8:
-                fn = q4_f16() if scale_size == 2 else q4_f32()
-            else:
-                fn = q8_f16() if scale_size == 2 else q8_f32()
+            fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
             launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups),
                    (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, fn, True)
         return to_ptr(0)
@@ -559,13 +579,7 @@ def grouped_handler(isa: str):
     that dense models never compile it."""
     if not isa_mod.supported(isa):
         raise ValueError(f"no {isa} path here ({isa_mod.describe()})")
-    for layout in LAYOUTS:
-        cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
-            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16"), grouped=True))
-        export_symbol(f"jaxllm_cpu_q8act_grouped_chunk_{isa}_{layout}", cfunc.address)
-        _KEEP.append(cfunc)
-    q4_f16, q4_f32, q8_f16, q8_f32 = (symbol(f"jaxllm_cpu_q8act_grouped_chunk_{isa}_{layout}", True)
-                                      for layout in LAYOUTS)
+    q4_f16, q4_f32, q8_f16, q8_f32 = _chunk_symbols(isa, grouped=True)
 
     def ffi_handler(frame_ptr):
         """Inputs: x [R, in] f32, data [M, out, P] u8/s8, scale [M, out, G] f16/f32, offset [M, out, G' or 0],
@@ -575,30 +589,18 @@ def grouped_handler(isa: str):
         (each expert's matrix then meets all of its rows in one pass), multiplied, and put back in order."""
         frame = to_int(frame_ptr)
         if is_execute(frame):
-            x_p, x_d = buffer(frame, 0)
-            d_p, d_d = buffer(frame, 1)
-            s_p, s_d = buffer(frame, 2)
-            o_p, o_d = buffer(frame, 3)
+            (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
+             matrices) = _operands(frame)
             experts_p, _ = buffer(frame, 4)
             base_p, _ = buffer(frame, 5)
-            y_p, _ = buffer(frame, 0, True)
-            xq_p, _ = buffer(frame, 1, True)
-            xd_p, _ = buffer(frame, 2, True)
-            xs_p, _ = buffer(frame, 3, True)
-            t, n = dim(x_d, 0), dim(x_d, 1)
-            o, p, groups, offset_groups = dim(d_d, 1), dim(d_d, 2), dim(s_d, 2), dim(o_d, 2)
-            count = min(max(np.int64(load32(base_p + 4)), 1), dim(d_d, 0))
-            base = min(max(np.int64(load32(base_p)), 0), dim(d_d, 0) - count)
+            count = min(max(np.int64(load32(base_p + 4)), 1), matrices)
+            base = min(max(np.int64(load32(base_p)), 0), matrices - count)
             order, table = group_rows(carray(to_ptr(experts_p), (t,), dtype=np.int32), count, base, o)
             rows = _gather_rows(x_p, order, t, n)
             out = np.empty((t, o), np.float32)
-            scale_size = 2 if buffer_dtype(frame, 2) == F16 else 4
             launch(frame, (np.int64(rows.ctypes.data), xq_p, xd_p, xs_p, t, n),
                    (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS, _quantize_chunk_fn(), True)
-            if buffer_dtype(frame, 1) == U8:
-                fn = q4_f16() if scale_size == 2 else q4_f32()
-            else:
-                fn = q8_f16() if scale_size == 2 else q8_f32()
+            fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
             launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, np.int64(out.ctypes.data), t, n, o, p, groups,
                            offset_groups, np.int64(table.ctypes.data)), table.shape[0], fn, True)
             _scatter_rows(y_p, order, out)
