@@ -179,6 +179,10 @@ class ModelConfig:
                               f"(got {self.moe_intermediate_size})")
         if (self.moe_bias or self.swiglu_limit is not None) and not self.num_experts:
             raise ConfigError("moe_bias and swiglu_limit are the experts' (num_experts is 0)")
+        frequencies = int(self.head_dim * self.rope.partial_rotary_factor) // 2
+        if self.rope.rope_type == "longrope" and len(self.rope.short_factor) != frequencies:
+            raise ConfigError(f"longrope has {len(self.rope.short_factor)} factors for {frequencies} rotary "
+                              "frequencies")
         if self.local_rope is not None and self.layer_windows is None:
             raise ConfigError("local_rope needs layer_windows (the windowed layers are the ones it rotates)")
 

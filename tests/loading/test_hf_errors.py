@@ -99,8 +99,11 @@ def test_missing_tensor(copy_of):
 
 def test_unsupported_rope_type(copy_of):
     folder = copy_of()
+    _edit_config(folder, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0})
+    with pytest.raises(LoadError, match=r"unsupported rope_scaling type 'dynamic'"):
+        load_model(folder)
     _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0})
-    with pytest.raises(LoadError, match=r"unsupported rope_scaling type 'longrope'"):
+    with pytest.raises(LoadError, match=r"longrope needs short_factor and long_factor of one length"):
         load_model(folder)
 
 
@@ -114,9 +117,10 @@ def test_a_stacked_checkpoint_tensor_that_disagrees_with_the_config(copy_of):
         load_model(folder)
 
 
-def test_longrope_is_refused_by_name(copy_of):
-    folder = copy_of("phi3")
-    _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 64})
-    with pytest.raises(LoadError, match=r"unsupported rope_scaling type 'longrope'"):
+def test_longrope_factors_must_cover_the_rotary_frequencies(copy_of):
+    folder = copy_of("phi3")  # head_dim 16, half of it rotating: 4 frequencies
+    _edit_config(folder, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 3,
+                                          "long_factor": [2.0] * 3, "original_max_position_embeddings": 64,
+                                          "partial_rotary_factor": 0.5})
+    with pytest.raises(LoadError, match=r"longrope has 3 factors for 4 rotary frequencies"):
         load_model(folder)
