@@ -223,8 +223,8 @@ def quantized_matmul_kernel(kernels: Kernels) -> Callable:
 
 @functools.cache
 def grouped_quantized_matmul_kernel(kernels: Kernels) -> Callable:
-    """``(x [R, in], w: QuantizedWeight [experts, out, ...] (or stacked [layers, experts, ...]), fmt, group_sizes
-    [experts], layer=None) -> [R, out]``, a mixture of experts' projection over quantized experts
+    """``(x [R, in], w: QuantizedWeight [experts, out, ...] (or stacked [layers, experts, ...]), fmt, experts [R]
+    (each row's, any order), layer=None) -> [R, out]``, a mixture of experts' projection over quantized experts
     (`pallas_kernels.quantized_matmul`): with the "cpu" matmul and an integer path, the grouped CPU kernel (only the
     routed experts' rows read); otherwise the reference (the experts dequantized in the step, a grouped matmul)."""
     if kernels.matmul == "cpu" and kernels.int8_isa is not None:
