@@ -85,7 +85,8 @@ def main() -> None:
         assert plan["experts.gate_up_proj"].name == "q8_0", plan
         single = [[7]]
         batch = [[(17 * s + i) % 31000 + 3 for i in range(PROMPT)] for s in range(STREAMS)]
-        jaxllm_decode(llm, single, 8), jaxllm_decode(llm, batch, 8)  # warm-up
+        for prompts in (single, batch):  # warm-up
+            jaxllm_decode(llm, prompts, 8)
         runs: dict[str, list[dict]] = {"jaxllm": [], "llama.cpp": []}
         for r in range(args.rounds):
             runs["jaxllm"].append({"single": jaxllm_decode(llm, single, NEW),

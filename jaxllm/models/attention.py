@@ -93,6 +93,5 @@ class Attention(nnx.Module):
         q, k, v = self._qkv(x, cos, sin, lora)
         out, k_cache, v_cache = attn_fn(q, k, v, kv[0], kv[1], meta.slot_mapping, meta.kv_lens, meta.block_tables,
                                         meta.query_start_loc, sm_scale=self.sm_scale, sliding_window=window,
-                                        soft_cap=self.soft_cap,
-                                        **({} if self.sinks is None else {"sinks": self._sinks()}))
+                                        soft_cap=self.soft_cap, sinks=self._sinks())
         return self.o_proj(out.reshape(x.shape[0], -1), lora), (k_cache, v_cache)

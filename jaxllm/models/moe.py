@@ -102,7 +102,7 @@ class MoE(nnx.Module):
         self.gate = Linear(e, cfg.num_experts, ("embed", None), bias=cfg.moe_bias, dtype=dtype,
                            rngs=rngs)  # [experts, embed]
         self.experts = Experts(cfg, dtype=dtype, rngs=rngs, quant=quant)
-        self.num_experts, self.top_k, self.renormalise = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.activation = cfg.activation
         self.swiglu_limit, self.swiglu_alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         if cfg.shared_expert_intermediate_size:
@@ -137,7 +137,6 @@ class MoE(nnx.Module):
             y = y + jax.nn.sigmoid(self.shared_expert_gate(flat).astype(jnp.float32)) * \
                 self.shared_expert(flat).astype(jnp.float32)
         return y.astype(x.dtype).reshape(*lead, e)
-
 
     def _gated(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         from jaxllm.models.llama import activate

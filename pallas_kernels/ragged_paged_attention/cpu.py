@@ -18,7 +18,9 @@ import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention.reference import default_block_q
 
-NEG = -3.0e38  # `cpu_kernel.NEG`: a sink of "none" (cpu_kernel imports numba; this module must not)
+# The kernel's "minus infinity" (finite: max() against it stays well defined), also a sink of "none"; defined here,
+# where numba is not imported, and read by `cpu_kernel`
+NEG = -3.0e38
 
 TARGET = "jaxllm_cpu_ragged_paged_attention"
 MAX_BLOCK_Q = 16

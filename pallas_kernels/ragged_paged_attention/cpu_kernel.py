@@ -49,8 +49,9 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     widen,
     workers,
 )
+from pallas_kernels.ragged_paged_attention import cpu  # noqa: E402
 
-NEG = np.float32(-3.0e38)  # finite: max() against it stays well defined
+NEG = np.float32(cpu.NEG)
 
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
