@@ -26,6 +26,7 @@ from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, Pooling
 from jaxllm.sampling_params import RequestLimits
 from jaxllm.sharding import make_mesh
 from jaxllm.speculative import SpeculativeConfig
+from jaxllm.speculative.methods import MODEL_METHODS
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
@@ -55,6 +56,7 @@ class EngineParts:
     load_s: float
     checkpoint_bytes_read: int
     speculative: SpeculativeConfig | None = None  # the method that proposes drafts (`jaxllm.speculative`)
+    draft: Model | None = None  # its draft model (method draft_model), on the target's mesh
     lora: bool = False  # the model has LoRA adapter tables (`jaxllm.models.lora`)
 
 
@@ -99,15 +101,19 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     if config.classifier_tokens:
         model.set_classifier_tokens(_classifier_ids(model, tokenizer, config.classifier_tokens))
     tasks, pooling = _tasks(config, model, loaded, name)
-    kv = plan_kv_cache(config, model)
-    if hasattr(model, "set_context_length"):
-        model.set_context_length(kv.max_model_len)  # before any step is traced (LongRoPE's factor set)
+    speculative = _speculative(config, model, tasks)
+    draft = _draft_model(config, speculative, model, tokenizer, mesh) if speculative is not None and \
+        speculative.method in MODEL_METHODS else None
+    kv = plan_kv_cache(config, model, draft)
+    for m in (model, draft):
+        if hasattr(m, "set_context_length"):
+            m.set_context_length(kv.max_model_len)  # before any step is traced (LongRoPE's factor set)
     encoder = _encoder_parts(config, model, loaded) if model.multimodal else None
     limits = RequestLimits(vocab_size=cfg.vocab_size, max_model_len=kv.max_model_len, max_n=config.max_n,
                            hidden_size=cfg.hidden_size, tasks=tasks)
     return EngineParts(model, tokenizer, mesh, config.served_model_name or name, eos, tasks, pooling, limits, kv,
                        encoder, executable_cache, load_s, loaded.bytes_read if loaded is not None else 0,
-                       _speculative(config, model, tasks), config.enable_lora)
+                       speculative, draft, config.enable_lora)
 
 
 def _enable_lora(config: EngineConfig, model: Model) -> None:
@@ -130,6 +136,33 @@ def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> 
     if config.num_hosts > 1:
         raise ConfigError("speculative_config: not supported across hosts yet")
     return spec
+
+
+def _draft_model(config: EngineConfig, spec: SpeculativeConfig, model: Model, tokenizer: Tokenizer | None,
+                 mesh: jax.sharding.Mesh) -> Model:
+    """The draft model, loaded as the target was (its dtype, kernels and mesh) from `spec.model` (default: the
+    target's checkpoint) with `spec.quantization`; its vocabulary must be the target's, token for token."""
+    if spec.model is None and config.model is None and tokenizer is None:
+        raise ConfigError("speculative_config: draft_model needs a model when the target was passed in")
+    same = spec.model is None
+    draft = load_model(config.model if same else spec.model, dtype=config.dtype, mesh=mesh,
+                       attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
+                       kv_cache_dtype=config.kv_cache_dtype, quantization=spec.quantization,
+                       revision=config.revision if same else spec.revision, download_dir=config.download_dir)
+    m = draft.model
+    if not m.causal or m.multimodal or not hasattr(m, "forward_paged"):
+        raise ConfigError(f"speculative_config: the draft model {draft.name} is not a text decoder")
+    if m.config.vocab_size != model.config.vocab_size:
+        raise ConfigError(f"speculative_config: the draft model's vocabulary ({m.config.vocab_size} tokens) is not "
+                          f"the target's ({model.config.vocab_size})")
+    if tokenizer is not None and draft.tokenizer is not None and \
+            draft.tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
+        raise ConfigError(f"speculative_config: the draft model {draft.name} has another tokenizer than the target "
+                          "(the same token ids must mean the same text)")
+    if m.kernels.layer_loop == "unrolled":
+        m.arrange_layers()
+    logger.info("draft model %s loaded (quantization %s)", draft.name, spec.quantization)
+    return m
 
 
 def _executable_cache(config: EngineConfig) -> ExecutableCache | None:

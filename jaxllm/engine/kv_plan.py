@@ -51,16 +51,26 @@ def kv_budget_bytes(fraction: float) -> int:
     return int((stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)) * fraction)
 
 
-def plan_kv_cache(config: EngineConfig, model: Model) -> KVPlan:
+def _page_bytes(config: EngineConfig, model: Model) -> int:
+    """The bytes of one page of `model`'s K and V caches over all its layers."""
+    cfg = model.config
+    dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, model.dtype)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * config.page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def plan_kv_cache(config: EngineConfig, model: Model, draft: Model | None = None) -> KVPlan:
     """A causal model's cache takes `kv_memory_fraction` of the memory (or `num_pages`); an encoder reads no
     cache: pages for one step's slot mapping, inputs of at most one step. Every host of a job agrees on the
-    page count (a compiled shape)."""
+    page count (a compiled shape). draft: a speculative draft model, whose cache has as many pages (the same page
+    ids): the memory holds both."""
     c, cfg = config, model.config
     dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, model.dtype)
-    if model.kernels.attention == "cpu" and jnp.dtype(dtype) not in CPU_CACHE_DTYPES:
-        raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype}: the model's cpu attention kernel reads "
-                          "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
-    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * c.page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    for m in (model, draft) if draft is not None else (model,):
+        if m.kernels.attention == "cpu" and jnp.dtype(resolve_kv_cache_dtype(c.kv_cache_dtype, m.dtype)) \
+                not in CPU_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype}: the model's cpu attention kernel reads "
+                              "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
+    page_bytes = _page_bytes(c, model) + (_page_bytes(c, draft) if draft is not None else 0)
     if model.causal:
         num_pages = c.num_pages or max(2, kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
         max_len = c.max_model_len or cfg.max_position_embeddings

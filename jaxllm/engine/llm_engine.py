@@ -32,6 +32,7 @@ from jaxllm.outputs import Logprob, PoolingRequestOutput, RequestOutput
 from jaxllm.pooling_params import PooledState, PoolingParams
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.speculative import Drafter
+from jaxllm.speculative.methods import ProposerContext
 from jaxllm.tokenizer.tokenizer import Tokenizer
 
 logger = logging.getLogger("jaxllm.engine")
@@ -50,7 +51,12 @@ class LLMEngine:
         self.block_manager = BlockManager(parts.kv.num_pages, parts.kv.page_size, config.enable_prefix_caching)
         start = time.perf_counter()
         self.runner = ModelRunner.from_parts(parts, config.buckets())
-        self.drafter = Drafter(parts.speculative, parts.kv.max_model_len) if parts.speculative else None
+        self.drafter = None
+        if parts.speculative is not None:
+            kv = parts.kv
+            context = ProposerContext(kv.max_model_len, kv.page_size, kv.num_pages, tuple(config.buckets()),
+                                      parts.draft, kv.dtype, parts.mesh)
+            self.drafter = Drafter(parts.speculative, kv.max_model_len, context)
         self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters: their slots in the runner's tables
         if parts.lora:
             from jaxllm.lora.manager import LoRAManager, LoRATables
@@ -83,6 +89,8 @@ class LLMEngine:
         before = compile_monitor.snapshot()
         start = time.perf_counter()
         self.startup.buckets = self.runner.warmup()
+        if self.drafter is not None:
+            self.drafter.proposer.warmup()
         if parts.encoder is not None:
             parts.encoder.runner.warmup()
         self.startup.warmup_s = time.perf_counter() - start
@@ -226,6 +234,8 @@ class LLMEngine:
             step = self.scheduler.schedule()
             if not step:
                 return []
+            if self.drafter is not None:
+                self.drafter.fill(step)
             pending = self.runner.dispatch(step)
         if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
             self._ahead = self.runner.dispatch(nxt, after=pending)

@@ -1,7 +1,12 @@
 """Speculative decoding's settings, as vLLM takes them: ``LLM(speculative_config={"method": "ngram",
 "num_speculative_tokens": 4, "prompt_lookup_max": 4})``, ``JAXLLM_SPECULATIVE_CONFIG`` (JSON) or
 ``jaxllm serve --speculative-config '{...}'``. A frozen dataclass that validates itself: a bad config is refused
-when the engine is made, with one line that says what is wrong."""
+when the engine is made, with one line that says what is wrong.
+
+A draft model (``{"method": "draft_model", "model": ..., "quantization": ...}``) is loaded as the target is, with
+the target's dtype, kernels and mesh; without ``model`` it is the target's own checkpoint, so
+``{"method": "draft_model", "quantization": "auto"}`` drafts a float load of a GGUF with the file's own quantized
+weights (vLLM requires ``model``; here the quantized copy of the model served is the common case)."""
 
 from __future__ import annotations
 
@@ -10,13 +15,14 @@ import json
 from typing import Any
 
 from jaxllm.config import ConfigError
+from jaxllm.loading.quantize import QUANTIZATIONS
 
 MAX_SPECULATIVE_TOKENS = 16  # drafts a step verifies per sequence at most (each is a row of the LM head)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # a registered method (`jaxllm.speculative.methods`): "ngram"
+    method: str  # a registered method (`jaxllm.speculative.methods`): "ngram", "draft_model"
     num_speculative_tokens: int = 4  # k: drafts proposed per sequence and step
     # ngram (prompt lookup): the longest and shortest suffix of the sequence looked up earlier in it
     prompt_lookup_max: int = 4
@@ -24,9 +30,14 @@ class SpeculativeConfig:
     # No drafts in a step whose running batch holds this many sequences or more (vLLM's disable_by_batch_size):
     # a batch that large is compute-bound, and each draft costs a full row of the step. None: never.
     disable_by_batch_size: int | None = None
+    # draft_model: its checkpoint (a path or hub id, as `LLM(model=...)`; None: the target's), the hub revision,
+    # and how its weights load (`EngineConfig.quantization`: "auto" keeps a GGUF's quantized weights)
+    model: str | None = None
+    revision: str | None = None
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
-        from jaxllm.speculative.methods import METHODS
+        from jaxllm.speculative.methods import METHODS, MODEL_METHODS
 
         checks = [
             (self.method in METHODS, f"unknown method {self.method!r}; methods: {', '.join(sorted(METHODS))}"),
@@ -41,6 +52,10 @@ class SpeculativeConfig:
             (self.disable_by_batch_size is None or
              (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
              f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"),
+            (self.quantization in QUANTIZATIONS,
+             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"),
+            (self.method in MODEL_METHODS or (self.model is None and self.revision is None),
+             f"model and revision name a draft model: not used by method {self.method!r}"),
         ]
         for ok, message in checks:
             if not ok:

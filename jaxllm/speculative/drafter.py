@@ -1,5 +1,7 @@
 """The engine's side of speculation: before the scheduler runs, each decoding sequence gets its drafts from the
-method (`Drafter.propose`); after the step, the counters learn what the target accepted (`Drafter.observe`).
+method (`Drafter.propose`); once the step is scheduled, the method makes them final (`Drafter.fill`: a draft
+model computes them there); after the step, the counters and the method learn what the target accepted
+(`Drafter.observe`).
 
 A sequence gets no drafts where the target's samples at later positions would not be those of plain steps: its
 penalties read a history the drafts are not in, a grammar's mask follows each token, and min_tokens' bans end
@@ -9,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxllm.speculative.methods import make_proposer
+from jaxllm.speculative.methods import ProposerContext, make_proposer
 from jaxllm.speculative.verify import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -19,9 +21,10 @@ if TYPE_CHECKING:
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, context: ProposerContext | None = None):
+        """context: what the engine lends the method (a draft model, the cache's geometry, the step shapes)."""
         self.config, self.max_model_len = config, max_model_len
-        self.proposer = make_proposer(config)
+        self.proposer = make_proposer(config, context or ProposerContext(max_model_len))
         self.stats = SpecDecodeStats()
         # The most drafts each sequence gets next (by seq_id; k when absent): after a step that kept all of its
         # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
@@ -33,22 +36,28 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
+        self.proposer.begin(running)
         for seq in running:
             room = 0 if off or not self._may_draft(seq) else self._room(seq)
-            seq.drafts = self.proposer.propose(seq.token_ids, room) if room > 0 else []
+            seq.drafts = self.proposer.propose(seq, room) if room > 0 else []
+
+    def fill(self, step: ScheduledStep) -> None:
+        """The scheduled step's drafts made final (a draft model computes them now that they have pages)."""
+        self.proposer.fill(step)
 
     def worth_waiting(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of `seqs` should wait for this one's tokens, to draft from them, rather than be
         dispatched ahead without drafts (async scheduling): some sequence is quoting, i.e. the method, given its
         tokens but the last, would have proposed its last token (so drafts after the next token will likely be
-        kept too). Otherwise running ahead saves more than drafts that would mostly be rejected."""
+        kept too; a draft model always drafts from the last token). Otherwise running ahead saves more than drafts
+        that would mostly be rejected."""
         limit = self.config.disable_by_batch_size
         if limit is not None and len(seqs) >= limit:
             return False
-        return any(self._may_draft(seq) and self._room(seq) > 1 and seq.num_output_tokens > 0 and
-                   self.proposer.propose(seq.token_ids[:-1], 1) == seq.token_ids[-1:] for seq in seqs)
+        return any(self._may_draft(seq) and self._room(seq) > 1 and self.proposer.worth_waiting(seq) for seq in seqs)
 
     def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
+        self.proposer.observe(step, rejected)
         k = self.config.num_speculative_tokens
         for seq, drafted, lost in zip(step.seqs, step.drafts, rejected, strict=True):
             if drafted:

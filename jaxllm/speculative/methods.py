@@ -1,24 +1,72 @@
-"""The speculative methods by name: what `SpeculativeConfig.method` may say. A method is a class made from the
-config that proposes draft tokens for a sequence (`Proposer`); adding one is a file and a line here."""
+"""The speculative methods by name: what `SpeculativeConfig.method` may say. A method is a `Proposer` made from the
+config and what the engine lends it (`ProposerContext`); adding one is a file and a line here."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
-
-from jaxllm.speculative.ngram import NgramProposer
+import dataclasses
+import importlib
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import jax
+
+    from jaxllm.engine.scheduler import ScheduledStep
+    from jaxllm.engine.sequence import Sequence
+    from jaxllm.models.protocol import Model
     from jaxllm.speculative.config import SpeculativeConfig
 
 
-class Proposer(Protocol):
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
-        """Up to `max_drafts` tokens guessed to follow `token_ids` (a sequence's prompt and output so far); the
-        target model verifies them in its next step. Fewer, or none, when there is no good guess."""
+@dataclasses.dataclass(frozen=True)
+class ProposerContext:
+    """What the engine lends a method: its cache geometry (a draft model keeps its own KV in pages of the same
+    ids as the target's, so the target's block tables serve both), its step shapes, and a draft model loaded
+    beside the target (`engine_parts`)."""
+    max_model_len: int
+    page_size: int = 16
+    num_pages: int = 0
+    buckets: tuple[tuple[int, int], ...] = ()  # the target's (tokens, sequences) step shapes
+    draft: Model | None = None
+    kv_cache_dtype: object = None
+    mesh: jax.sharding.Mesh | None = None
 
 
-METHODS: dict[str, type] = {"ngram": NgramProposer}
+class Proposer:
+    """A speculative method. Each step, before the scheduler runs, `propose` says each decoding sequence's drafts;
+    the scheduler counts them in the token budget and gives them pages; `fill` may then compute them (a method that
+    runs a model needs those pages first: its `propose` returns placeholders of the length it will fill); after
+    the target verified them, `observe` learns how many each sequence kept."""
+
+    def begin(self, running: list[Sequence]) -> None:
+        """A new step's proposals start; `running` holds every sequence that may still be asked about."""
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        """Up to `max_drafts` (>= 1) tokens guessed to follow `seq`'s prompt and output so far; fewer, or none,
+        when there is no good guess."""
+        raise NotImplementedError
+
+    def fill(self, step: ScheduledStep) -> None:
+        """The step's drafts (`step.drafts`, as scheduled) made final, in place."""
+
+    def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
+        """The target verified `step`: per sequence, how many of its drafts it rejected."""
+
+    def worth_waiting(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next step should wait for this one's token to draft from it, rather than run ahead
+        without drafts (async scheduling)."""
+        return False
+
+    def warmup(self) -> None:
+        """Builds what the method runs, so that nothing compiles while serving."""
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
-    return METHODS[config.method](config)
+# name -> "module:class"; imported when used (a draft model's runner pulls in the engine's step machinery)
+METHODS: dict[str, str] = {
+    "ngram": "jaxllm.speculative.ngram:NgramProposer",
+    "draft_model": "jaxllm.speculative.draft_model:DraftModelProposer",
+}
+MODEL_METHODS = frozenset({"draft_model"})  # methods that load a model of their own (`SpeculativeConfig.model`)
+
+
+def make_proposer(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
+    module, _, name = METHODS[config.method].partition(":")
+    return getattr(importlib.import_module(module), name)(config, context)

@@ -9,16 +9,28 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxllm.speculative.methods import Proposer, ProposerContext
+
 if TYPE_CHECKING:
+    from jaxllm.engine.sequence import Sequence
     from jaxllm.speculative.config import SpeculativeConfig
 
 
-class NgramProposer:
-    def __init__(self, config: SpeculativeConfig):
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None):
         self.k = config.num_speculative_tokens
         self.n_max, self.n_min = config.prompt_lookup_max, config.prompt_lookup_min
 
-    def propose(self, token_ids: list[int], max_drafts: int) -> list[int]:
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        return self.lookup(seq.token_ids, max_drafts)
+
+    def worth_waiting(self, seq: Sequence) -> bool:
+        """The sequence is quoting: given its tokens but the last, the lookup would have proposed its last token
+        (so drafts after the next token will likely be kept too). Otherwise running ahead saves more than drafts
+        that would mostly be rejected."""
+        return seq.num_output_tokens > 0 and self.lookup(seq.token_ids[:-1], 1) == seq.token_ids[-1:]
+
+    def lookup(self, token_ids: list[int], max_drafts: int) -> list[int]:
         k = min(self.k, max_drafts)
         length = len(token_ids)
         if k <= 0 or length < self.n_min + 1:

@@ -26,7 +26,7 @@ def test_a_dict_json_or_config_becomes_one_config():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "medusa"}, "unknown method 'medusa'; methods: ngram"),
+    ({"method": "medusa"}, "unknown method 'medusa'; methods: draft_model, ngram"),
     ({"num_speculative_tokens": 2}, "a method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16], got 0"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),
@@ -35,6 +35,8 @@ def test_a_dict_json_or_config_becomes_one_config():
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size must be an integer >= 1"),
     ({"method": "ngram", "draft": "x"}, "unknown fields ['draft']"),
+    ({"method": "ngram", "model": "x"}, "model and revision name a draft model: not used by method 'ngram'"),
+    ({"method": "draft_model", "quantization": "q3"}, "quantization must be one of"),
     ("{not json", "not JSON"),
     ("[1, 2]", "expected an object of fields, got list"),
 ])
@@ -50,4 +52,4 @@ def test_the_serve_command_refuses_a_bad_config_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines() == [
-        "jaxllm serve: error: speculative_config: unknown method 'eagle9'; methods: ngram"]
+        "jaxllm serve: error: speculative_config: unknown method 'eagle9'; methods: draft_model, ngram"]

@@ -1,0 +1,99 @@
+"""A draft model (vLLM's "draft_model" method): a smaller or quantized model with the target's tokenizer proposes
+each sequence's next k tokens greedily; the target verifies them in its next step (`verify`: a draft is kept when
+the target's own sample at its position equals it, so the output is plain decoding's at any temperature).
+
+The draft keeps its own paged KV in pages with the target's ids (`draft_runner`), and this class tracks how many
+of each sequence's tokens it holds: after a step that kept a of m drafts, the draft's KV is right up to the
+sequence's length before the step plus min(a, m - 1) (the drafts it wrote and the target kept; the last draft
+was never fed back). Before a step the scheduler reserves the drafts' pages (`propose` returns placeholders of
+the length `fill` computes); a sequence far behind (a prompt the draft has not read) catches up in chunks within
+a step's token budget before it drafts. Preemption drops what the draft held (its pages were freed)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from jaxllm.config import ConfigError
+from jaxllm.speculative.draft_runner import TAIL, DraftRunner
+from jaxllm.speculative.methods import Proposer, ProposerContext
+
+if TYPE_CHECKING:
+    from jaxllm.engine.scheduler import ScheduledStep
+    from jaxllm.engine.sequence import Sequence
+    from jaxllm.speculative.config import SpeculativeConfig
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, context: ProposerContext):
+        if context.draft is None or not context.buckets:
+            raise ConfigError("speculative_config: draft_model runs in an engine that loaded the draft model")
+        self.k = config.num_speculative_tokens
+        self.runner = DraftRunner(context.draft, k=self.k, num_pages=context.num_pages, page_size=context.page_size,
+                                  max_model_len=context.max_model_len, buckets=list(context.buckets),
+                                  kv_cache_dtype=context.kv_cache_dtype, mesh=context.mesh)
+        self.held: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens in the draft's cache, its preemptions then)
+        self.drafted: dict[int, tuple[int, int]] = {}  # seq_id -> (its length, drafts) in the step being verified
+        self.eligible: dict[int, Sequence] = {}  # this step's sequences that may draft (they decode)
+        self.reserved = [0, 0]  # catch-up tokens and sequences of this step's drafting sequences
+
+    def held_tokens(self, seq: Sequence) -> int:
+        n, preemptions = self.held.get(seq.seq_id, (0, seq.num_preemptions))
+        return n if preemptions == seq.num_preemptions else 0
+
+    def begin(self, running: list[Sequence]) -> None:
+        live = {seq.seq_id for seq in running}
+        self.held = {i: v for i, v in self.held.items() if i in live}
+        self.drafted = {i: v for i, v in self.drafted.items() if i in live}
+        self.eligible = {}
+        self.reserved = [0, 0]
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        self.eligible[seq.seq_id] = seq
+        ahead = max(0, seq.num_tokens - TAIL - self.held_tokens(seq))  # what a catch-up step reads first
+        tokens, seqs = self.reserved
+        if tokens + ahead > self.runner.max_tokens or seqs + 1 > self.runner.max_seqs:
+            return []  # it catches up first (`fill`), and drafts in a later step
+        self.reserved = [tokens + ahead, seqs + 1]
+        return [0] * min(self.k, max_drafts)  # placeholders: `fill` computes them once they have pages
+
+    def worth_waiting(self, seq: Sequence) -> bool:
+        return True  # a draft follows the last token: without it there are no drafts
+
+    def warmup(self) -> None:
+        self.runner.warmup()
+
+    def fill(self, step: ScheduledStep) -> None:
+        """Every sequence of the step that may draft has pages for its tokens (it decodes this step) and, with
+        drafts, for them. The draft's cache reads what it lacks: a catch-up step takes each drafting sequence's
+        tokens but its last TAIL ones (reserved by `propose`: they fit), then the others' by what the budget
+        leaves; a draft step takes the drafting sequences' last tokens and drafts."""
+        ups, draws, held = [], [], {}
+        budget = self.runner.max_tokens
+        pairs = [(i, seq) for i, seq in enumerate(step.seqs) if seq.seq_id in self.eligible]
+        for i, seq in sorted(pairs, key=lambda p: not step.drafts[p[0]]):  # drafting sequences first
+            start, wanted = self.held_tokens(seq), len(step.drafts[i])
+            tail = max(start, seq.num_tokens - TAIL) if wanted else seq.num_tokens
+            end = min(tail, start + budget) if len(ups) < self.runner.max_seqs else start
+            if end > start:
+                ups.append((seq.token_ids[start:end], start, seq.block_table, 0))
+                budget -= end - start
+            held[seq.seq_id] = end
+            if wanted:
+                assert end == tail, "propose reserves a drafting sequence's catch-up"
+                draws.append((i, seq, (seq.token_ids[tail:], tail, seq.block_table, wanted)))
+        if ups:
+            self.runner.catch_up(ups)
+        if draws:
+            drafts = self.runner.draft([row for _, _, row in draws])
+            for r, (i, seq, _) in enumerate(draws):
+                step.drafts[i][:] = drafts[r, :len(step.drafts[i])].tolist()
+                held[seq.seq_id] = seq.num_tokens
+                self.drafted[seq.seq_id] = (seq.num_tokens, len(step.drafts[i]))
+        for seq_id, end in held.items():
+            self.held[seq_id] = (end, self.eligible[seq_id].num_preemptions)
+
+    def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
+        for seq, lost in zip(step.seqs, rejected, strict=True):
+            if (entry := self.drafted.pop(seq.seq_id, None)) is not None:
+                length, m = entry
+                self.held[seq.seq_id] = (length + min(m - lost, m - 1), seq.num_preemptions)
