@@ -21,10 +21,8 @@ PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 90, 7)] 
 def one_layer_draft(target, folder):
     """The target's embeddings, first layer and head as a model of its own (what a small draft of the same family
     is: the same vocabulary, fewer layers)."""
-    import transformers
-
-    config = transformers.LlamaConfig(**{**target.config.to_dict(), "num_hidden_layers": 1})
-    draft = transformers.LlamaForCausalLM(config)
+    config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    draft = type(target)(config)
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if ".layers.1." not in k})
     draft.save_pretrained(folder)
     return folder
@@ -97,6 +95,23 @@ def test_preempted_drafting_sequences_end_as_plain_ones(folders, engines, compil
     assert got == [o.outputs[0].token_ids for o in engines[1].generate(prompts, params, use_tqdm=False)]
     bm = small.engine.block_manager
     assert bm.num_free_pages == bm.num_pages
+
+
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_a_draft_split_over_two_devices_with_its_target(tiny_model_dir, tmp_path, compile_cache_dir):
+    """Tensor parallel 2: the draft's weights and cache split as the target's (heads over the devices)."""
+    target, hf_model = tiny_model_dir("qwen2_tp")
+    draft = one_layer_draft(hf_model, tmp_path / "draft")
+    options = dict(OPTIONS, compilation_cache_dir=compile_cache_dir)
+    spec = LLM(str(target), tensor_parallel_size=2, **options,
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+    plain = LLM(str(target), **options)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert spec.spec_decode_stats.num_accepted_tokens > 0
+    cache = spec.engine.drafter.proposer.runner.caches[0]
+    assert len(cache.sharding.device_set) == 2 and cache.sharding.shard_shape(cache.shape)[0] == cache.shape[0] // 2
 
 
 def test_drafts_stop_at_max_tokens_and_the_model_length(engines):
