@@ -21,7 +21,9 @@ PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 90, 7)] 
 def one_layer_draft(target, folder):
     """The target's embeddings, first layer and head as a model of its own (what a small draft of the same family
     is: the same vocabulary, fewer layers)."""
-    config = type(target.config)(**{**target.config.to_dict(), "num_hidden_layers": 1})
+    fields = target.config.to_dict()
+    layer_types = {"layer_types": fields["layer_types"][:1]} if fields.get("layer_types") else {}
+    config = type(target.config)(**{**fields, "num_hidden_layers": 1, **layer_types})
     draft = type(target)(config)
     draft.load_state_dict({k: v for k, v in target.state_dict().items() if ".layers.1." not in k})
     draft.save_pretrained(folder)
