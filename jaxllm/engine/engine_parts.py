@@ -78,8 +78,9 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     multihost.check_same_everywhere("engine config", repr((shared, warmup, model is None)).encode())
     enable_compilation_cache(config.compilation_cache_dir)
     start = time.perf_counter()
-    executable_cache = _executable_cache(config) if model is None and loaded is None else None
-    if model is None and loaded is None:
+    from_config = model is None and loaded is None  # the target is config.model (not passed in)
+    executable_cache = _executable_cache(config) if from_config else None
+    if from_config:
         loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             expert_parallel_size=config.expert_parallel_size,
                             attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
@@ -102,7 +103,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
         model.set_classifier_tokens(_classifier_ids(model, tokenizer, config.classifier_tokens))
     tasks, pooling = _tasks(config, model, loaded, name)
     speculative = _speculative(config, model, tasks)
-    draft = _draft_model(config, speculative, model, tokenizer, mesh) if speculative is not None and \
+    draft = _draft_model(config, speculative, model, tokenizer, mesh, from_config) if speculative is not None and \
         speculative.method in MODEL_METHODS else None
     kv = plan_kv_cache(config, model, draft)
     for m in (model, draft):
@@ -139,10 +140,11 @@ def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> 
 
 
 def _draft_model(config: EngineConfig, spec: SpeculativeConfig, model: Model, tokenizer: Tokenizer | None,
-                 mesh: jax.sharding.Mesh) -> Model:
+                 mesh: jax.sharding.Mesh, from_config: bool) -> Model:
     """The draft model, loaded as the target was (its dtype, kernels and mesh) from `spec.model` (default: the
-    target's checkpoint) with `spec.quantization`; its vocabulary must be the target's, token for token."""
-    if spec.model is None and config.model is None and tokenizer is None:
+    target's checkpoint, when the target was loaded from config.model) with `spec.quantization`; its vocabulary
+    must be the target's, token for token."""
+    if spec.model is None and not from_config:
         raise ConfigError("speculative_config: draft_model needs a model when the target was passed in")
     same = spec.model is None
     draft = load_model(config.model if same else spec.model, dtype=config.dtype, mesh=mesh,

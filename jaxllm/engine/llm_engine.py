@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Callable
 
+from jaxllm.dtypes import resolve_kv_cache_dtype
 from jaxllm.engine import compile_monitor, multihost, prompt_logprobs
 from jaxllm.engine.block_manager import BlockManager
 from jaxllm.engine.config import EngineConfig
@@ -54,8 +55,9 @@ class LLMEngine:
         self.drafter = None
         if parts.speculative is not None:
             kv = parts.kv
+            draft_kv = resolve_kv_cache_dtype(config.kv_cache_dtype, parts.draft.dtype) if parts.draft else None
             context = ProposerContext(kv.max_model_len, kv.page_size, kv.num_pages, tuple(config.buckets()),
-                                      parts.draft, kv.dtype, parts.mesh)
+                                      parts.draft, draft_kv, parts.mesh)
             self.drafter = Drafter(parts.speculative, kv.max_model_len, context)
         self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters: their slots in the runner's tables
         if parts.lora:

@@ -26,7 +26,7 @@ class ProposerContext:
     num_pages: int = 0
     buckets: tuple[tuple[int, int], ...] = ()  # the target's (tokens, sequences) step shapes
     draft: Model | None = None
-    kv_cache_dtype: object = None
+    kv_cache_dtype: object = None  # the draft's cache element type
     mesh: jax.sharding.Mesh | None = None
 
 

@@ -49,13 +49,17 @@ def test_outputs_are_plain_decodings_token_for_token(spec_llm, smollm2_quantized
 
 
 def test_no_compiles_after_warmup_and_every_page_free_after_aborts(spec_llm):
-    engine = spec_llm.engine
-    before = compile_monitor.snapshot()
-    params = SamplingParams(temperature=0, max_tokens=64)
     prompt = spec_llm.get_tokenizer().apply_chat_template(GROUNDED[0], add_generation_prompt=True)
-    for i in range(6):
+    run_with_aborts(spec_llm.engine, [prompt] * 6, SamplingParams(temperature=0, max_tokens=64), steps=8)
+
+
+def run_with_aborts(engine, prompts, params, steps: int) -> None:
+    """Runs `prompts`, aborting the second and the fifth after `steps` steps: nothing compiles, and every page is
+    free at the end."""
+    before = compile_monitor.snapshot()
+    for i, prompt in enumerate(prompts):
         engine.add_request(f"a{i}", prompt, params)
-    for _ in range(8):
+    for _ in range(steps):
         engine.step()
     engine.abort_request("a1")
     engine.abort_request("a4")

@@ -10,8 +10,8 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ConfigError
-from jaxllm.engine import compile_monitor
 from jaxllm.loading.errors import LoadError
+from tests.engine.test_speculative import run_with_aborts
 
 OPTIONS = dict(dtype="float32", attn_impl="auto", max_num_seqs=16, max_num_batched_tokens=64, num_pages=256,
                max_model_len=256, token_buckets=(16, 64))
@@ -70,18 +70,8 @@ def test_outputs_are_plain_decodings_token_for_token(engines, params):
 
 def test_no_compiles_after_warmup_and_every_page_free_after_aborts(engines):
     engine = engines[0].engine
-    before = compile_monitor.snapshot()
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    for i in range(6):
-        engine.add_request(f"a{i}", list(range(7, 7 + 10 * i + 3)), params)
-    for _ in range(6):
-        engine.step()
-    engine.abort_request("a1")
-    engine.abort_request("a4")
-    while engine.has_unfinished_requests():
-        engine.step()
-    assert compile_monitor.snapshot() == before
-    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    prompts = [list(range(7, 7 + 10 * i + 3)) for i in range(6)]
+    run_with_aborts(engine, prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), steps=6)
     engine.step()  # an idle step: the sequences that ended are forgotten
     assert engine.drafter.proposer.held == {}
 
@@ -99,6 +89,7 @@ def test_preempted_drafting_sequences_end_as_plain_ones(folders, engines, compil
     assert bm.num_free_pages == bm.num_pages
 
 
+@pytest.mark.slow  # two more engines (~30 s)
 @pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
 def test_a_draft_split_over_two_devices_with_its_target(tiny_model_dir, tmp_path, compile_cache_dir):
     """Tensor parallel 2: the draft's weights and cache split as the target's (heads over the devices)."""
