@@ -57,9 +57,10 @@ def run_jaxllm(target: str, spec: dict | None, max_tokens: int) -> dict:
 
 
 def run_llamacpp(bin_dir: Path, target: str, draft: str, k: int, max_tokens: int) -> dict:
-    from jaxllm.loading import load_model
+    from jaxllm.loading.gguf_file import GGUFFile
+    from jaxllm.tokenizer.gguf_tokenizer import tokenizer_from_gguf
 
-    tokenizer = load_model(draft, load_tokenizer_too=True).tokenizer  # the files' own chat template
+    tokenizer = tokenizer_from_gguf(GGUFFile(draft).metadata, draft)  # the files' own chat template
     result = {}
     accepted = drafted = 0
     for kind, convs in chats().items():

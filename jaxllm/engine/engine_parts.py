@@ -106,7 +106,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     draft = _draft_model(config, speculative, model, tokenizer, mesh, from_config) if speculative is not None and \
         speculative.method in MODEL_METHODS else None
     kv = plan_kv_cache(config, model, draft)
-    for m in (model, draft):
+    for m in [model] + ([draft] if draft is not None else []):
         if hasattr(m, "set_context_length"):
             m.set_context_length(kv.max_model_len)  # before any step is traced (LongRoPE's factor set)
     encoder = _encoder_parts(config, model, loaded) if model.multimodal else None

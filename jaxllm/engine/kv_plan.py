@@ -65,12 +65,13 @@ def plan_kv_cache(config: EngineConfig, model: Model, draft: Model | None = None
     ids): the memory holds both."""
     c, cfg = config, model.config
     dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, model.dtype)
-    for m in (model, draft) if draft is not None else (model,):
+    models = [model] + ([draft] if draft is not None else [])
+    for m in models:
         if m.kernels.attention == "cpu" and jnp.dtype(resolve_kv_cache_dtype(c.kv_cache_dtype, m.dtype)) \
                 not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype}: the model's cpu attention kernel reads "
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
-    page_bytes = _page_bytes(c, model) + (_page_bytes(c, draft) if draft is not None else 0)
+    page_bytes = sum(_page_bytes(c, m) for m in models)
     if model.causal:
         num_pages = c.num_pages or max(2, kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
         max_len = c.max_model_len or cfg.max_position_embeddings

@@ -41,7 +41,8 @@ from pallas_kernels.kv_cache import abstract_kv_cache, allocate_kv_cache
 __all__ = ["BucketBuild", "ModelRunner", "PendingStep", "StepResult"]
 
 
-def _abstract(x):
+def abstract_array(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """What an executable is lowered against for `x`: its shape, dtype and placement."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
@@ -121,7 +122,7 @@ class ModelRunner:
         self.constants = self.inputs.constants
         self._treedefs: dict[tuple[int, int], object] = {}
         self._leader = self._codec = self._watchdog = None  # multi-host rank 0: inputs go to the other hosts first
-        self.abstract_params = [_abstract(p) for p in self.params]
+        self.abstract_params = [abstract_array(p) for p in self.params]
         self.abstract_caches = abstract_kv_cache(*cache_args)
         # A step's small host inputs travel as one array (`input_packing`): the step takes them apart.
         self.packer = InputPacker(lambda bucket: self.inputs.build(ScheduledStep([], []), bucket).inputs, self.buckets)

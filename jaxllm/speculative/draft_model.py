@@ -34,7 +34,8 @@ class DraftModelProposer(Proposer):
         self.held: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens in the draft's cache, its preemptions then)
         self.drafted: dict[int, tuple[int, int]] = {}  # seq_id -> (its length, drafts) in the step being verified
         self.eligible: dict[int, Sequence] = {}  # this step's sequences that may draft (they decode)
-        self.reserved = [0, 0]  # catch-up tokens and sequences of this step's drafting sequences
+        # this step's drafting sequences, and the tokens a catch-up step reads for them first
+        self.reserved_seqs = self.reserved_tokens = 0
 
     def held_tokens(self, seq: Sequence) -> int:
         n, preemptions = self.held.get(seq.seq_id, (0, seq.num_preemptions))
@@ -45,15 +46,15 @@ class DraftModelProposer(Proposer):
         self.held = {i: v for i, v in self.held.items() if i in live}
         self.drafted = {i: v for i, v in self.drafted.items() if i in live}
         self.eligible = {}
-        self.reserved = [0, 0]
+        self.reserved_seqs = self.reserved_tokens = 0
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         self.eligible[seq.seq_id] = seq
         ahead = max(0, seq.num_tokens - TAIL - self.held_tokens(seq))  # what a catch-up step reads first
-        tokens, seqs = self.reserved
-        if tokens + ahead > self.runner.max_tokens or seqs + 1 > self.runner.max_seqs:
+        if self.reserved_tokens + ahead > self.runner.max_tokens or self.reserved_seqs == self.runner.max_seqs:
             return []  # it catches up first (`fill`), and drafts in a later step
-        self.reserved = [tokens + ahead, seqs + 1]
+        self.reserved_tokens += ahead
+        self.reserved_seqs += 1
         return [0] * min(self.k, max_drafts)  # placeholders: `fill` computes them once they have pages
 
     def worth_waiting(self, seq: Sequence) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
+from jaxllm.engine.model_runner import abstract_array
 from jaxllm.engine.sampler import argmax_for
 from jaxllm.engine.step_executables import StepExecutables
 from jaxllm.engine.step_options import step_compiler_options
@@ -103,7 +104,7 @@ class DraftRunner:
                       kv_cache_sharding(mesh) if mesh is not None else None)
         self._allocate = functools.partial(allocate_kv_cache, *cache_args)
         self._caches = None
-        abstract_params = [jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=p.sharding) for p in self.params]
+        abstract_params = [abstract_array(p) for p in self.params]
         abstract_caches = abstract_kv_cache(*cache_args)
 
         def abstract_args(bucket):
@@ -181,8 +182,9 @@ class DraftRunner:
         with concurrent.futures.ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1, 4),
                                                    thread_name_prefix="jaxllm-draft-build") as pool:
             list(pool.map(lambda job: job[0].build(job[1]), jobs))
-        for executables, bucket in jobs:
+        for bucket in self.catch_up_buckets:
+            self._caches = self.catch_up_executables.get(bucket)(self.params, self.caches, self.inputs([], bucket))
+        for bucket in self.draft_buckets:
             inputs = dataclasses.replace(self.inputs([], bucket), room=np.full(bucket[1], self.k, np.int32))
-            out = executables.get(bucket)(self.params, self.caches, inputs)
-            self._caches = out if executables is self.catch_up_executables else out[0]
+            self._caches, _ = self.draft_executables.get(bucket)(self.params, self.caches, inputs)
         jax.block_until_ready(self._caches)
