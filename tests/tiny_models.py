@@ -275,3 +275,51 @@ def build_tiny_qwen2_5_vl(folder: Path, flat_config: bool = False, family: str =
                    rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
         (folder / "config.json").write_text(json.dumps(raw))
     return folder, model
+
+
+def build_tiny_eagle3_head(folder: Path, target_config: dict, *, aux_layers: list[int] | None = None,
+                           draft_vocab: int | None = None, d2t=None, seed: int = 0, own_embeddings: bool = False,
+                           prefix: str = "midlayer.", std: float = 0.08) -> dict:
+    """A random EAGLE-3 head for a target of `target_config` (config.json's fields), saved as vLLM and sglang load
+    one (config.json with `draft_vocab_size` and `eagle_config`, model.safetensors with fc, `prefix` + the layer,
+    norm, lm_head, d2t, t2d; the target's embeddings shared unless `own_embeddings`). Returns the torch tensors."""
+    import json
+
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    e, heads, kv = target_config["hidden_size"], target_config["num_attention_heads"], \
+        target_config["num_key_value_heads"]
+    d, f, vocab = target_config.get("head_dim") or e // heads, target_config["intermediate_size"], \
+        target_config["vocab_size"]
+    rows = draft_vocab or vocab
+
+    def r(*shape, s=std):
+        return torch.randn(*shape, generator=g) * s
+
+    p = prefix
+    tensors = {
+        "fc.weight": r(e, len(aux_layers or [0, 0, 0]) * e), p + "input_layernorm.weight": 1 + r(e, s=0.1),
+        p + "hidden_norm.weight": 1 + r(e, s=0.1), p + "self_attn.q_proj.weight": r(heads * d, 2 * e),
+        p + "self_attn.k_proj.weight": r(kv * d, 2 * e), p + "self_attn.v_proj.weight": r(kv * d, 2 * e),
+        p + "self_attn.o_proj.weight": r(e, heads * d), p + "post_attention_layernorm.weight": 1 + r(e, s=0.1),
+        p + "mlp.gate_proj.weight": r(f, e), p + "mlp.up_proj.weight": r(f, e), p + "mlp.down_proj.weight": r(e, f),
+        "norm.weight": 1 + r(e, s=0.1), "lm_head.weight": r(rows, e),
+        "d2t": torch.as_tensor(np.zeros(rows, np.int64) if d2t is None else np.asarray(d2t, np.int64)),
+        "t2d": torch.zeros(vocab, dtype=torch.bool)}
+    if own_embeddings:
+        tensors["embed_tokens.weight"] = r(vocab, e)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+    config = {k: target_config[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
+                                            "intermediate_size", "vocab_size", "rms_norm_eps",
+                                            "max_position_embeddings", "rope_theta", "head_dim")
+              if k in target_config}
+    config |= dict(architectures=["LlamaForCausalLMEagle3"], model_type="llama", num_hidden_layers=1,
+                   draft_vocab_size=rows, hidden_act="silu", tie_word_embeddings=False)
+    if aux_layers is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layers, "use_aux_hidden_state": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    return tensors

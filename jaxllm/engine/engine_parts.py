@@ -56,8 +56,9 @@ class EngineParts:
     load_s: float
     checkpoint_bytes_read: int
     speculative: SpeculativeConfig | None = None  # the method that proposes drafts (`jaxllm.speculative`)
-    draft: Model | None = None  # its draft model (method draft_model), on the target's mesh
+    draft: Model | None = None  # its draft model (draft_model) or head (eagle3), on the target's mesh
     lora: bool = False  # the model has LoRA adapter tables (`jaxllm.models.lora`)
+    features: tuple[int, ...] = ()  # the target layers whose inputs each step keeps for the draft (eagle3)
 
 
 def enable_compilation_cache(path: str | None) -> None:
@@ -103,9 +104,13 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
         model.set_classifier_tokens(_classifier_ids(model, tokenizer, config.classifier_tokens))
     tasks, pooling = _tasks(config, model, loaded, name)
     speculative = _speculative(config, model, tasks)
-    draft = _draft_model(config, speculative, model, tokenizer, mesh, from_config) if speculative is not None and \
-        speculative.method in MODEL_METHODS else None
-    kv = plan_kv_cache(config, model, draft)
+    draft = None
+    if speculative is not None and speculative.method == "eagle3":
+        draft = _eagle3_head(config, speculative, model, mesh)
+    elif speculative is not None and speculative.method in MODEL_METHODS:
+        draft = _draft_model(config, speculative, model, tokenizer, mesh, from_config)
+    features = draft.capture if speculative is not None and speculative.method == "eagle3" else ()
+    kv = plan_kv_cache(config, model, draft, feature_size=len(features) * cfg.hidden_size)
     for m in [model] + ([draft] if draft is not None else []):
         if hasattr(m, "set_context_length"):
             m.set_context_length(kv.max_model_len)  # before any step is traced (LongRoPE's factor set)
@@ -114,7 +119,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
                            hidden_size=cfg.hidden_size, tasks=tasks)
     return EngineParts(model, tokenizer, mesh, config.served_model_name or name, eos, tasks, pooling, limits, kv,
                        encoder, executable_cache, load_s, loaded.bytes_read if loaded is not None else 0,
-                       speculative, draft, config.enable_lora)
+                       speculative, draft, config.enable_lora, features)
 
 
 def _enable_lora(config: EngineConfig, model: Model) -> None:
@@ -165,6 +170,18 @@ def _draft_model(config: EngineConfig, spec: SpeculativeConfig, model: Model, to
         m.arrange_layers()
     logger.info("draft model %s loaded (quantization %s)", draft.name, spec.quantization)
     return m
+
+
+def _eagle3_head(config: EngineConfig, spec: SpeculativeConfig, model: Model, mesh: jax.sharding.Mesh) -> Model:
+    """The EAGLE-3 head `spec.model` for `model`, whose steps will keep the features it reads."""
+    from jaxllm.models.llama import LlamaForCausalLM
+    from jaxllm.speculative.eagle3_loading import load_eagle3_head
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise ConfigError("speculative_config: eagle3 drafts for text decoders of the Llama-shaped families")
+    head = load_eagle3_head(spec.model, model, mesh=mesh, revision=spec.revision, download_dir=config.download_dir)
+    logger.info("EAGLE-3 head %s loaded (target layers %s)", spec.model, list(head.eagle.aux_layers))
+    return head
 
 
 def _executable_cache(config: EngineConfig) -> ExecutableCache | None:

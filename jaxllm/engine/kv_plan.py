@@ -58,11 +58,12 @@ def _page_bytes(config: EngineConfig, model: Model) -> int:
     return 2 * cfg.num_layers * cfg.num_kv_heads * config.page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
 
 
-def plan_kv_cache(config: EngineConfig, model: Model, draft: Model | None = None) -> KVPlan:
+def plan_kv_cache(config: EngineConfig, model: Model, draft: Model | None = None, feature_size: int = 0) -> KVPlan:
     """A causal model's cache takes `kv_memory_fraction` of the memory (or `num_pages`); an encoder reads no
     cache: pages for one step's slot mapping, inputs of at most one step. Every host of a job agrees on the
-    page count (a compiled shape). draft: a speculative draft model, whose cache has as many pages (the same page
-    ids): the memory holds both."""
+    page count (a compiled shape). draft: a speculative draft model (or head), whose cache has as many pages (the
+    same page ids): the memory holds both; feature_size: the values each slot keeps for an EAGLE-3 head (the
+    feature cache, in the model's dtype)."""
     c, cfg = config, model.config
     dtype = resolve_kv_cache_dtype(c.kv_cache_dtype, model.dtype)
     models = [model] + ([draft] if draft is not None else [])
@@ -71,7 +72,8 @@ def plan_kv_cache(config: EngineConfig, model: Model, draft: Model | None = None
                 not in CPU_CACHE_DTYPES:
             raise ConfigError(f"kv_cache_dtype={c.kv_cache_dtype}: the model's cpu attention kernel reads "
                               "float32, float16 or bfloat16 caches; build the model with attn_impl='reference'")
-    page_bytes = sum(_page_bytes(c, m) for m in models)
+    page_bytes = sum(_page_bytes(c, m) for m in models) + \
+        feature_size * c.page_size * jnp.dtype(model.dtype).itemsize
     if model.causal:
         num_pages = c.num_pages or max(2, kv_budget_bytes(c.kv_memory_fraction) // page_bytes)
         max_len = c.max_model_len or cfg.max_position_embeddings

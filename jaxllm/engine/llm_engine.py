@@ -56,8 +56,9 @@ class LLMEngine:
         if parts.speculative is not None:
             kv = parts.kv
             draft_kv = resolve_kv_cache_dtype(config.kv_cache_dtype, parts.draft.dtype) if parts.draft else None
+            features = (lambda: self.runner.features) if parts.features else None
             context = ProposerContext(kv.max_model_len, kv.page_size, kv.num_pages, tuple(config.buckets()),
-                                      parts.draft, draft_kv, parts.mesh)
+                                      parts.draft, draft_kv, parts.mesh, features)
             self.drafter = Drafter(parts.speculative, kv.max_model_len, context)
         self.loras = None  # jaxllm.lora.LoRAManager of an engine with adapters: their slots in the runner's tables
         if parts.lora:

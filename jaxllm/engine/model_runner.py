@@ -16,6 +16,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -44,6 +45,34 @@ __all__ = ["BucketBuild", "ModelRunner", "PendingStep", "StepResult"]
 def abstract_array(x: jax.Array) -> jax.ShapeDtypeStruct:
     """What an executable is lowered against for `x`: its shape, dtype and placement."""
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureCache:
+    """The feature cache's shape: a row per KV slot, replicated over a mesh (the residual stream is)."""
+    slots: int
+    width: int
+    dtype: object
+    mesh: jax.sharding.Mesh | None
+
+    @property
+    def sharding(self) -> jax.sharding.Sharding:
+        if self.mesh is None:
+            return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.slots, self.width), self.dtype, sharding=self.sharding)
+
+    def allocate(self) -> jax.Array:
+        shape, sharding = (self.slots, self.width), self.sharding
+        if all(d.platform == "cpu" for d in sharding.device_set):  # as the KV cache: numpy's lazily zeroed pages
+            return jax.device_put(np.zeros(shape, self.dtype), sharding)
+        return jax.jit(lambda: jnp.zeros(shape, self.dtype), out_shardings=sharding)()
+
+
+def _with_features(allocate_kv, features: FeatureCache) -> tuple[jax.Array, ...]:
+    return (*allocate_kv(), features.allocate())
 
 
 @dataclasses.dataclass
@@ -83,14 +112,15 @@ class ModelRunner:
                  buckets: list[tuple[int, int]], eos_token_ids: tuple[int, ...], mesh=None,
                  executable_cache: ExecutableCache | None = None, kv_cache_dtype=None, generates: bool = True,
                  pools: bool = True, encoder: EncoderRunner | None = None, encoder_cache: EncoderCache | None = None,
-                 num_speculative_tokens: int = 0, lora: bool = False):
+                 num_speculative_tokens: int = 0, lora: bool = False, capture: tuple[int, ...] = ()):
         """kv_cache_dtype: the cache's element type (default: the model's dtype); generates: False for a model
         that only pools (its steps sample nothing); pools: False for a model that only generates (its steps
         compute no pooling outputs); encoder, encoder_cache: a vision-language model's image encoder, run on the
         images a step schedules before the step, and where its outputs are kept; num_speculative_tokens: the most
         drafts a sequence verifies in one step (0: no speculation); lora: the model has LoRA tables
         (`jaxllm.models.lora`), which `jaxllm.lora.manager.LoRATables` finds among the parameters by their
-        `param_paths`."""
+        `param_paths`; capture: layers whose inputs each step keeps per KV slot, in a feature cache beside the KV
+        cache (`step_function`; an EAGLE-3 head reads it: `features`)."""
         cfg = model.config
         compile_monitor.install()  # builds tell fresh compiles from persistent-cache hits
         graphdef, state = nnx.split(model)
@@ -107,7 +137,10 @@ class ModelRunner:
         cache_args = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, self.kv_cache_dtype,
                       kv_cache_sharding(mesh) if mesh is not None else None)
         self._allocate = functools.partial(allocate_kv_cache, *cache_args)
-        self._caches: tuple[jax.Array, jax.Array] | None = None
+        self._caches: tuple[jax.Array, ...] | None = None
+        self.capture = tuple(capture)
+        feature_cache = FeatureCache(num_pages * page_size, len(capture) * cfg.hidden_size, model.dtype, mesh) \
+            if capture else None
         self.multimodal = model.multimodal
         self.encoder, self.encoder_cache = encoder, encoder_cache
         # Device-resident "nothing to do" inputs, reused so that steps without penalties, biases, grammars, prompt
@@ -124,14 +157,19 @@ class ModelRunner:
         self._leader = self._codec = self._watchdog = None  # multi-host rank 0: inputs go to the other hosts first
         self.abstract_params = [abstract_array(p) for p in self.params]
         self.abstract_caches = abstract_kv_cache(*cache_args)
+        if feature_cache is not None:
+            self._allocate = functools.partial(_with_features, self._allocate, feature_cache)
+            self.abstract_caches = (*self.abstract_caches, feature_cache.abstract())
         # A step's small host inputs travel as one array (`input_packing`): the step takes them apart.
         self.packer = InputPacker(lambda bucket: self.inputs.build(ScheduledStep([], []), bucket).inputs, self.buckets)
-        step = functools.partial(step_function, graphdef, state_def, generates, pools)
+        step = functools.partial(step_function, graphdef, state_def, generates, pools, capture=self.capture)
 
         def packed_step(params, caches, packed, rest):
             return step(params, caches, self.packer.unpack(packed, rest))
         jitted = jax.jit(packed_step, donate_argnums=(1,))
-        self.executables = StepExecutables(jitted, self.abstract_args, graphdef,
+        # the captured layers are traced into the step but appear in no argument: part of the cache key
+        key = (graphdef, self.capture) if capture else graphdef
+        self.executables = StepExecutables(jitted, self.abstract_args, key,
                                            step_compiler_options(model.kernels.platform), executable_cache)
 
     @classmethod
@@ -144,13 +182,20 @@ class ModelRunner:
                    generates=GENERATE in parts.tasks, pools=parts.tasks != (GENERATE,),
                    encoder=enc.runner if enc else None, encoder_cache=enc.cache if enc else None,
                    num_speculative_tokens=spec.num_speculative_tokens if (spec := parts.speculative) else 0,
-                   lora=parts.lora)
+                   lora=parts.lora, capture=parts.features)
 
     @property
-    def caches(self) -> tuple[jax.Array, jax.Array]:
-        """The K and V caches, allocated on first use: `warmup` builds every bucket first, so compilation (XLA's
-        GPU autotuner takes scratch buffers) never competes with the cache for device memory. A precaution: the
-        8B out-of-memory seen on an H100 was allocator fragmentation, not this (see benchmarks/device_check.py)."""
+    def features(self) -> jax.Array:
+        """The feature cache [slots, len(capture) * E] (with `capture`): the captured layers' inputs of every token
+        the steps computed, at its KV slot. Read by a method whose drafts follow the target's hidden states."""
+        return self.caches[2]
+
+    @property
+    def caches(self) -> tuple[jax.Array, ...]:
+        """The K and V caches (and the feature cache, with `capture`), allocated on first use: `warmup` builds every
+        bucket first, so compilation (XLA's GPU autotuner takes scratch buffers) never competes with the cache for
+        device memory. A precaution: the 8B out-of-memory seen on an H100 was allocator fragmentation, not this (see
+        benchmarks/device_check.py)."""
         if self._caches is None:
             self._caches = self._allocate()
         return self._caches

@@ -19,21 +19,28 @@ from jaxllm.engine.step_inputs import StepInputs
 from jaxllm.sampling_params import MAX_LOGPROBS
 
 
-def step_function(graphdef, state_def, generates: bool, pools: bool, params, caches, inputs: StepInputs):
+def step_function(graphdef, state_def, generates: bool, pools: bool, params, caches, inputs: StepInputs,
+                  capture: tuple[int, ...] = ()):
     """generates: False for a model that only pools (its steps sample nothing); pools: False for a model that only
-    generates (its steps compute no pooling outputs). Returns (caches, packed sampler output [R, 3 + 2 * 20] i32
-    (R sample rows: S, or `SpecRows`' R with speculation), pooled [S, 3, E], classified [S, labels], next ids [T],
-    prompt logprobs [T, width])."""
+    generates (its steps compute no pooling outputs); capture: the layers whose inputs every token leaves in the
+    feature cache (caches: (K, V, features [slots, len(capture) * E]); an EAGLE-3 head reads them). Returns
+    (caches, packed sampler output [R, 3 + 2 * 20] i32 (R sample rows: S, or `SpecRows`' R with speculation),
+    pooled [S, 3, E], classified [S, labels], next ids [T], prompt logprobs [T, width])."""
     model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
     ids, meta, logit_rows = inputs.ids, inputs.meta, inputs.logit_rows
+    kv = caches[:2]
     # named scopes reach the compiled program's op metadata: a device profile sorts kernels by them
     with jax.named_scope("model"):
-        if inputs.lora is not None:  # a model with LoRA tables (text only)
-            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, lora=inputs.lora)
+        if capture:  # a text model (speculation refuses vision-language ones)
+            hidden, kv, features = model.forward_paged(ids, inputs.positions, kv, meta, lora=inputs.lora,
+                                                       capture=capture)
+            caches = (*kv, store_features(caches[2], meta.slot_mapping, features))
+        elif inputs.lora is not None:  # a model with LoRA tables (text only)
+            hidden, caches = model.forward_paged(ids, inputs.positions, kv, meta, lora=inputs.lora)
         elif inputs.images is None:
-            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta)
+            hidden, caches = model.forward_paged(ids, inputs.positions, kv, meta)
         else:  # a vision-language model: positions [3, T], images [levels, T, E] (each image-pad token's embeddings)
-            hidden, caches = model.forward_paged(ids, inputs.positions, caches, meta, image_embeds=inputs.images)
+            hidden, caches = model.forward_paged(ids, inputs.positions, kv, meta, image_embeds=inputs.images)
     s = logit_rows.shape[0]
     if generates:
         plain = functools.partial(_sample_rows, model, hidden, logit_rows, inputs.sampling)
@@ -66,6 +73,13 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
                 next_ids, prompt)
     pooled = pool_chunks(hidden, meta)
     return caches, packed, pooled, model.classify(pooled), next_ids, prompt
+
+
+def store_features(cache: jax.Array, slots: jax.Array, features: jax.Array) -> jax.Array:
+    """cache [slots, F] with features [T, F] written at each token's KV slot (padding tokens' -1: nowhere): a
+    token's features live and die with its KV, in the same pages."""
+    n = cache.shape[0]
+    return cache.at[jnp.where(slots >= 0, slots, n)].set(features.astype(cache.dtype), mode="drop")
 
 
 def _sample_rows(model, hidden, rows, sampling: SamplingTensors):

@@ -314,11 +314,14 @@ class LlamaForCausalLM(nnx.Module):
 
     def forward_paged(self, input_ids: jax.Array, positions: jax.Array, kv_cache: KVCache,
                       metadata: AttentionMetadata, inputs_embeds: jax.Array | None = None,
-                      deepstack: jax.Array | None = None, lora: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
+                      deepstack: jax.Array | None = None, lora: jax.Array | None = None,
+                      capture: tuple[int, ...] = ()) -> tuple:
         """input_ids, positions [T] ([3, T] with M-RoPE) -> final hidden states [T, E] and the updated cache.
         `metadata` names pages 0..pages_per_layer-1; each layer reads and writes its own range of the cache.
         inputs_embeds [T, E]: instead of the token embeddings; deepstack [D, T, E]: as in `__call__`; lora [T]:
-        each token's adapter slot, -1 for none (a model with LoRA tables: `jaxllm.models.lora.enable`)."""
+        each token's adapter slot, -1 for none (a model with LoRA tables: `jaxllm.models.lora.enable`).
+        capture: layer indices, ascending; with them a third output [T, len(capture) * E], the residual stream
+        entering each of those layers side by side (what an EAGLE-3 head reads: `jaxllm.speculative.eagle3`)."""
         attn_fn = attention_kernel(self.kernels)
         rope = self._rope(positions)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
@@ -335,8 +338,26 @@ class LlamaForCausalLM(nnx.Module):
                 x, kv = layer(x, lambda attn, h: attn.paged(h, cos, sin, kv, meta, attn_fn, window, lora), lora)
             return _add_deepstack(x, deepstack, index), kv
 
-        x, kv_cache = self._run_layers(run, x, kv_cache)
-        return self.norm(x), kv_cache
+        if not capture:
+            x, kv_cache = self._run_layers(run, x, kv_cache)
+            return self.norm(x), kv_cache
+        # [len(capture) + 1, T, E]: a captured layer's input goes to its row, any other layer's to the spare last
+        # row (one in-place row write a layer, whether the layers are scanned or unrolled)
+        row_of = [len(capture)] * self.config.num_layers
+        for j, index in enumerate(capture):
+            row_of[index] = j
+
+        def run_capturing(layer, x, carry, index):
+            kv, seen = carry
+            row = row_of[index] if isinstance(index, int) else jnp.asarray(row_of, jnp.int32)[index]
+            seen = jax.lax.dynamic_update_index_in_dim(seen, x.astype(seen.dtype), row, 0)
+            x, kv = run(layer, x, kv, index)
+            return x, (kv, seen)
+
+        seen = jnp.zeros((len(capture) + 1, *x.shape), x.dtype)
+        x, (kv_cache, seen) = self._run_layers(run_capturing, x, (kv_cache, seen))
+        features = jnp.moveaxis(seen[:-1], 0, 1).reshape(x.shape[0], -1)  # [T, len(capture) * E]
+        return self.norm(x), kv_cache, features
 
 
 def _family_parts(cfg: ModelConfig) -> dict:

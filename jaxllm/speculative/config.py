@@ -22,7 +22,7 @@ MAX_SPECULATIVE_TOKENS = 16  # drafts a step verifies per sequence at most (each
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
-    method: str  # a registered method (`jaxllm.speculative.methods`): "ngram", "draft_model"
+    method: str  # a registered method (`jaxllm.speculative.methods`): "ngram", "draft_model", "eagle3"
     num_speculative_tokens: int = 4  # k: drafts proposed per sequence and step
     # ngram (prompt lookup): the longest and shortest suffix of the sequence looked up earlier in it
     prompt_lookup_max: int = 4
@@ -31,7 +31,8 @@ class SpeculativeConfig:
     # a batch that large is compute-bound, and each draft costs a full row of the step. None: never.
     disable_by_batch_size: int | None = None
     # draft_model: its checkpoint (a path or hub id, as `LLM(model=...)`; None: the target's), the hub revision,
-    # and how its weights load (`EngineConfig.quantization`: "auto" keeps a GGUF's quantized weights)
+    # and how its weights load (`EngineConfig.quantization`: "auto" keeps a GGUF's quantized weights); eagle3:
+    # the head's folder or hub id (required) and revision
     model: str | None = None
     revision: str | None = None
     quantization: str = "auto"
@@ -56,6 +57,7 @@ class SpeculativeConfig:
              f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"),
             (self.method in MODEL_METHODS or (self.model is None and self.revision is None),
              f"model and revision name a draft model: not used by method {self.method!r}"),
+            (self.method != "eagle3" or self.model is not None, "eagle3 needs a model: the head's folder or hub id"),
         ]
         for ok, message in checks:
             if not ok:

@@ -41,8 +41,8 @@ class DraftInputs:
     room: jax.Array  # [S] i32: drafts wanted (0: padding)
 
 
-TAIL = 2  # tokens of a sequence a draft step reads at most: its last, and after a step that kept every draft the last
-# one (never fed back); anything before them is read by a catch-up step first
+TAIL = 2  # tokens of a sequence a draft model's step reads at most: its last, and after a step that kept every draft
+# the last one (never fed back); anything before them is read by a catch-up step first
 
 
 def catch_up_function(graphdef, state_def, params, caches, inputs: DraftInputs):
@@ -52,34 +52,45 @@ def catch_up_function(graphdef, state_def, params, caches, inputs: DraftInputs):
     return caches
 
 
-def draft_function(graphdef, state_def, k: int, argmax, params, caches, inputs: DraftInputs):
-    """-> (caches, drafts [S, k] i32): sequence s's drafts d_0..d_{k-1}, of which its first room[s] are computed.
-    Decode step j (1 <= j < max(room)) writes d_{j-1}'s KV at position kv_lens + j - 1 of the sequences with
-    room > j; the others write nothing and read the context they have (at least one slot: padding reads page 0)."""
-    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+def decode_step(inputs: DraftInputs, j, page_size: int) -> tuple[jax.Array, AttentionMetadata]:
+    """Decode step j (1 <= j < max(room)) of a draft step: each sequence's one row at position kv_lens + j - 1
+    (where it writes draft j - 1's KV) when its room is over j; the others write nothing and read the context they
+    have (at least one slot: padding reads page 0). -> (positions [S], metadata)."""
     meta = inputs.meta
-    hidden, caches = model.forward_paged(inputs.ids, inputs.positions, caches, meta)
-    first = argmax(model.logits(hidden[inputs.last_rows]))  # [S]
-    s, page = first.shape[0], caches[0].shape[2]
     tables, ctx = meta.block_tables, meta.kv_lens
+    s = ctx.shape[0]
+    pos = ctx + j - 1
+    live = inputs.room > j
+    page_of = jnp.take_along_axis(tables, jnp.minimum(pos // page_size, tables.shape[1] - 1)[:, None], axis=1)[:, 0]
+    slots = jnp.where(live, page_of * page_size + pos % page_size, -1)
+    lens = jnp.where(live, pos + 1, jnp.maximum(ctx, 1))
     one_each = jnp.arange(s + 1, dtype=jnp.int32)  # every sequence one query token
+    return jnp.where(live, pos, 0), AttentionMetadata(slot_mapping=slots, block_tables=tables, kv_lens=lens,
+                                                      query_start_loc=one_each)
+
+
+def decode_trips(inputs: DraftInputs, k: int) -> jax.Array:
+    """The decode loop's end: as many steps as the longest request needs (a sequence capped by max_tokens or a
+    poor record drafts fewer), not always k - 1."""
+    return jnp.minimum(inputs.room.max(), k)
+
+
+def draft_function(graphdef, state_def, k: int, argmax, params, caches, inputs: DraftInputs):
+    """-> (caches, drafts [S, k] i32): sequence s's drafts d_0..d_{k-1}, of which its first room[s] are computed
+    (decode step j feeds d_{j-1} back: `decode_step`)."""
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_def, params))
+    hidden, caches = model.forward_paged(inputs.ids, inputs.positions, caches, inputs.meta)
+    first = argmax(model.logits(hidden[inputs.last_rows]))  # [S]
 
     def decode(j, carry):
         caches, token, drafts = carry
-        pos = ctx + j - 1
-        live = inputs.room > j
-        page_of = jnp.take_along_axis(tables, jnp.minimum(pos // page, tables.shape[1] - 1)[:, None], axis=1)[:, 0]
-        slots = jnp.where(live, page_of * page + pos % page, -1)
-        lens = jnp.where(live, pos + 1, jnp.maximum(ctx, 1))
-        step = AttentionMetadata(slot_mapping=slots, block_tables=tables, kv_lens=lens, query_start_loc=one_each)
-        hidden, caches = model.forward_paged(token, jnp.where(live, pos, 0), caches, step)
+        positions, step = decode_step(inputs, j, caches[0].shape[2])
+        hidden, caches = model.forward_paged(token, positions, caches, step)
         token = argmax(model.logits(hidden))
         return caches, token, drafts.at[:, j].set(token)
 
-    drafts = jnp.zeros((s, k), jnp.int32).at[:, 0].set(first)
-    # as many decode steps as the longest request needs (a sequence capped by max_tokens or a poor record drafts
-    # fewer), not always k - 1
-    caches, _, drafts = jax.lax.fori_loop(1, jnp.minimum(inputs.room.max(), k), decode, (caches, first, drafts))
+    drafts = jnp.zeros((first.shape[0], k), jnp.int32).at[:, 0].set(first)
+    caches, _, drafts = jax.lax.fori_loop(1, decode_trips(inputs, k), decode, (caches, first, drafts))
     return caches, drafts
 
 
@@ -87,17 +98,20 @@ Row = tuple[list[int], int, list[int], int]  # (tokens to read, the position of 
 
 
 class DraftRunner:
+    """The draft model's runner; a method whose draft reads more than its own cache (an EAGLE-3 head reads the
+    target's features) overrides `functions` and `extra` (arguments passed between the cache and the inputs)."""
+
     def __init__(self, model: Model, *, k: int, num_pages: int, page_size: int, max_model_len: int,
-                 buckets: list[tuple[int, int]], kv_cache_dtype=None, mesh=None):
+                 buckets: list[tuple[int, int]], kv_cache_dtype=None, mesh=None, tail: int = TAIL):
         """k: drafts a sequence gets at most; num_pages, page_size: the target's cache geometry (the draft's cache
         has the same page ids); buckets: the target's (tokens, sequences) step shapes, those of catch-up steps
-        (a draft step for s sequences holds TAIL * s tokens)."""
+        (a draft step for s sequences holds tail * s tokens)."""
         cfg = model.config
         graphdef, state = nnx.split(model)
         self.params, state_def = jax.tree.flatten(state)
-        self.k, self.page_size = k, page_size
+        self.k, self.page_size, self.tail = k, page_size, tail
         self.catch_up_buckets = sorted(buckets)
-        self.draft_buckets = sorted({(TAIL * s, s) for _, s in buckets})
+        self.draft_buckets = sorted({(tail * s, s) for _, s in buckets})
         self.max_pages_per_seq = -(-max_model_len // page_size)
         dtype = kv_cache_dtype or model.dtype
         cache_args = (cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim, dtype,
@@ -109,16 +123,24 @@ class DraftRunner:
 
         def abstract_args(bucket):
             inputs = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.inputs([], bucket))
-            return abstract_params, abstract_caches, inputs
+            return abstract_params, abstract_caches, *map(abstract_array, self.extra()), inputs
 
         platform = model.kernels.platform
         options = step_compiler_options(platform)
-        catch_up = functools.partial(catch_up_function, graphdef, state_def)
-        draft = functools.partial(draft_function, graphdef, state_def, k, argmax_for(platform))
+        catch_up, draft = self.functions(graphdef, state_def, argmax_for(platform))
         self.catch_up_executables = StepExecutables(jax.jit(catch_up, donate_argnums=(1,)), abstract_args, graphdef,
                                                     options, None)
         self.draft_executables = StepExecutables(jax.jit(draft, donate_argnums=(1,)), abstract_args, graphdef,
                                                  options, None)
+
+    def functions(self, graphdef, state_def, argmax):
+        """(catch_up(params, caches, *extra, inputs) -> caches, draft(...) -> (caches, drafts [S, k]))."""
+        return (functools.partial(catch_up_function, graphdef, state_def),
+                functools.partial(draft_function, graphdef, state_def, self.k, argmax))
+
+    def extra(self) -> tuple:
+        """Device arrays both kinds of step read after the cache (read when a step runs or is built)."""
+        return ()
 
     @property
     def caches(self):
@@ -163,14 +185,14 @@ class DraftRunner:
         """The draft's cache reads `rows`' tokens (their drafts wanted are ignored)."""
         bucket = self._bucket(self.catch_up_buckets, rows)
         run = self.catch_up_executables.get(bucket)
-        self._caches = run(self.params, self.caches, self.inputs(rows, bucket))
+        self._caches = run(self.params, self.caches, *self.extra(), self.inputs(rows, bucket))
 
     def draft(self, rows: list[Row]) -> np.ndarray:
-        """The drafts [len(rows), k] of `rows` (at most TAIL tokens each), the draft's cache holding what precedes
+        """The drafts [len(rows), k] of `rows` (at most `tail` tokens each), the draft's cache holding what precedes
         them."""
         bucket = self._bucket(self.draft_buckets, rows)
         run = self.draft_executables.get(bucket)
-        self._caches, drafts = run(self.params, self.caches, self.inputs(rows, bucket))
+        self._caches, drafts = run(self.params, self.caches, *self.extra(), self.inputs(rows, bucket))
         return np.asarray(drafts)[:len(rows)]
 
     def warmup(self) -> None:
@@ -183,8 +205,9 @@ class DraftRunner:
                                                    thread_name_prefix="jaxllm-draft-build") as pool:
             list(pool.map(lambda job: job[0].build(job[1]), jobs))
         for bucket in self.catch_up_buckets:
-            self._caches = self.catch_up_executables.get(bucket)(self.params, self.caches, self.inputs([], bucket))
+            self._caches = self.catch_up_executables.get(bucket)(self.params, self.caches, *self.extra(),
+                                                                 self.inputs([], bucket))
         for bucket in self.draft_buckets:
             inputs = dataclasses.replace(self.inputs([], bucket), room=np.full(bucket[1], self.k, np.int32))
-            self._caches, _ = self.draft_executables.get(bucket)(self.params, self.caches, inputs)
+            self._caches, _ = self.draft_executables.get(bucket)(self.params, self.caches, *self.extra(), inputs)
         jax.block_until_ready(self._caches)

@@ -8,6 +8,8 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import jax
 
     from jaxllm.engine.scheduler import ScheduledStep
@@ -20,7 +22,7 @@ if TYPE_CHECKING:
 class ProposerContext:
     """What the engine lends a method: its cache geometry (a draft model keeps its own KV in pages of the same
     ids as the target's, so the target's block tables serve both), its step shapes, and a draft model loaded
-    beside the target (`engine_parts`)."""
+    beside the target (`engine_parts`), or the target's features an EAGLE-3 head reads (`ModelRunner.features`)."""
     max_model_len: int
     page_size: int = 16
     num_pages: int = 0
@@ -28,6 +30,7 @@ class ProposerContext:
     draft: Model | None = None
     kv_cache_dtype: object = None  # the draft's cache element type
     mesh: jax.sharding.Mesh | None = None
+    target_features: Callable[[], jax.Array] | None = None
 
 
 class Proposer:
@@ -63,8 +66,9 @@ class Proposer:
 METHODS: dict[str, str] = {
     "ngram": "jaxllm.speculative.ngram:NgramProposer",
     "draft_model": "jaxllm.speculative.draft_model:DraftModelProposer",
+    "eagle3": "jaxllm.speculative.eagle3:Eagle3Proposer",
 }
-MODEL_METHODS = frozenset({"draft_model"})  # methods that load a model of their own (`SpeculativeConfig.model`)
+MODEL_METHODS = frozenset({"draft_model", "eagle3"})  # methods that load a model of their own (`.model`)
 
 
 def make_proposer(config: SpeculativeConfig, context: ProposerContext) -> Proposer:
