@@ -112,8 +112,9 @@ FLAGS = [
     Flag(("--async-scheduling",), "JAXLLM_ASYNC_SCHEDULING", "engine", "dispatch a decode step before the "
          "previous one's tokens are read back (default on)", None, _bool),
     Flag(("--speculative-config",), "JAXLLM_SPECULATIVE_CONFIG", "engine", 'speculative decoding, as JSON: '
-         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4} or '
-         '{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 7}'),
+         '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}, '
+         '{"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 7} or '
+         '{"method": "eagle3", "model": "org/eagle3-head", "num_speculative_tokens": 3}'),
     Flag(("--enable-lora",), "JAXLLM_ENABLE_LORA", "lora", "serve LoRA adapters (implied by --lora-modules)", None,
          _bool),
     Flag(("--lora-modules",), "JAXLLM_LORA_MODULES", "lora", "adapters served by name: name=path ... or JSON "

@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxllm.attention_metadata import AttentionMetadata
 from jaxllm.config import ModelConfig
-from jaxllm.kernels import choose_kernels
+from jaxllm.kernels import attention_kernel, choose_kernels
 from jaxllm.models.layers import Linear
 from jaxllm.models.llama import LlamaForCausalLM
 from jaxllm.models.stacked_layers import LAYERS_AXIS, StackedLayers
@@ -148,3 +148,38 @@ def test_the_engine_lays_out_a_model_it_is_given():
     scanned.stack_layers()
     want = greedy_generate(PagedRunner(scanned, num_pages=12, page_size=4), [[5, 6, 7, 8]], 4)
     assert [out[0].outputs[0].token_ids] == want
+
+
+def test_captured_layer_inputs_are_the_residual_stream_scanned_or_unrolled():
+    """forward_paged(capture=...) returns each captured layer's input (what an EAGLE-3 head reads) side by side, the
+    same whether the layers are scanned, unrolled over static slices (GPU) or separate modules, and the hidden
+    states and cache are those of a forward without capture."""
+    scanned, sliced, separate = _model(), _model(kernels=choose_kernels(layer_loop="unrolled")), _model()
+    assert scanned.stack_layers() and sliced.stack_layers() and not separate.stacked
+    ids = jnp.asarray([5, 6, 7, 8, 9, 11, 12, 0], jnp.int32)
+    positions = jnp.asarray([0, 1, 2, 3, 4, 0, 1, 0], jnp.int32)
+    meta = AttentionMetadata.build(query_lens=[5, 2], context_lens=[5, 2], block_tables=[[1, 2], [3]], page_size=4,
+                                   num_tokens=8, num_seqs=2, max_pages_per_seq=2)
+
+    def caches():
+        shape = (CFG.num_kv_heads, CFG.num_layers * 8, 4, CFG.head_dim)
+        return jnp.zeros(shape), jnp.zeros(shape)
+
+    # the residual stream entering layers 0 and 2: the embeddings, and the output of layer 1
+    plain_hidden, plain_cache = separate.forward_paged(ids, positions, caches(), meta)
+    x = separate.embed(ids)
+    inputs = [x]
+    for index, layer in enumerate(separate.layers):
+        meta_l = meta.offset_pages(index * 8, 4)
+        cos, sin = separate._rope(positions)
+        x, _ = layer(x, lambda attn, h, m=meta_l, c=cos, s=sin: attn.paged(h, c, s, caches(), m, attention_kernel(
+            separate.kernels), None))
+        inputs.append(x)
+    want = np.concatenate([inputs[0], inputs[2]], axis=-1)
+    for model in (scanned, sliced, separate):
+        hidden, cache, features = model.forward_paged(ids, positions, caches(), meta, capture=(0, 2))
+        assert features.shape == (8, 2 * CFG.hidden_size)
+        np.testing.assert_allclose(np.asarray(features)[:7], want[:7], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(hidden), np.asarray(plain_hidden), rtol=1e-5, atol=1e-5)
+        for a, b in zip(cache, plain_cache, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -26,7 +26,8 @@ def test_a_dict_json_or_config_becomes_one_config():
 
 
 @pytest.mark.parametrize("value, message", [
-    ({"method": "medusa"}, "unknown method 'medusa'; methods: draft_model, ngram"),
+    ({"method": "medusa"}, "unknown method 'medusa'; methods: draft_model, eagle3, ngram"),
+    ({"method": "eagle3"}, "eagle3 needs a model: the head's folder or hub id"),
     ({"num_speculative_tokens": 2}, "a method is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer in [1, 16], got 0"),
     ({"method": "ngram", "num_speculative_tokens": 17}, "num_speculative_tokens must be an integer in [1, 16]"),

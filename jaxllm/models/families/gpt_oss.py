@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from jaxllm.config import ConfigError, ModelConfig
-from jaxllm.loading.errors import LoadError
 from jaxllm.models.families.gemma2 import layer_windows
 from jaxllm.models.families.moe_config import MOE_QUANTIZABLE, moe_config
 from jaxllm.models.family import FamilySpec
@@ -94,6 +93,8 @@ def adapt_tensors(tensors: Iterable[tuple[str, Callable, str]], cfg: ModelConfig
     for weight, halves in pending.items():
         (_, source), = halves.values()
         missing = "scales" if "blocks" in halves else "blocks"
+        from jaxllm.loading.errors import LoadError  # here: jaxllm.loading imports the registry, which imports this
+
         raise LoadError(f"{source}: MXFP4 weight {weight!r} has no {weight.rpartition('.')[2]}_{missing} tensor")
 
 
