@@ -53,4 +53,4 @@ def test_the_serve_command_refuses_a_bad_config_in_one_line():
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and "Traceback" not in run.stderr
     assert run.stderr.strip().splitlines() == [
-        "jaxllm serve: error: speculative_config: unknown method 'eagle9'; methods: draft_model, ngram"]
+        "jaxllm serve: error: speculative_config: unknown method 'eagle9'; methods: draft_model, eagle3, ngram"]
