@@ -242,3 +242,25 @@ def test_bad_heads_are_refused_with_one_line(tiny_folder, target_config, heads, 
     (binary / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(LoadError, match="convert it to safetensors"):
         start(binary)
+
+
+@pytest.mark.slow  # two more engines (~30 s)
+@pytest.mark.skipif(len(__import__("jax").devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_a_head_split_over_two_devices_with_its_target(tiny_model_dir, tmp_path, compile_cache_dir):
+    """Tensor parallel 2: the head's weights and cache split by KV heads as the target's, the feature cache
+    replicated (the residual stream is); drafts kept, the output plain decoding's."""
+    target, _ = tiny_model_dir("qwen2_tp")
+    config = json.loads((target / "config.json").read_text())
+    build_tiny_eagle3_head(tmp_path / "head", config, aux_layers=AUX, seed=2, draft_vocab=2,
+                           d2t=[PAIR[0], PAIR[1] - 1])
+    options = dict(OPTIONS, compilation_cache_dir=compile_cache_dir)
+    spec = LLM(str(target), tensor_parallel_size=2, speculative_config=_spec(tmp_path / "head"), **options)
+    plain = LLM(str(target), **options)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logit_bias=PAIR_BIAS)
+    got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    assert spec.spec_decode_stats.num_accepted_tokens > 0
+    cache = spec.engine.drafter.proposer.runner.caches[0]
+    assert len(cache.sharding.device_set) == 2 and cache.sharding.shard_shape(cache.shape)[0] == cache.shape[0] // 2
+    features = spec.engine.runner.features
+    assert len(features.sharding.device_set) == 2 and features.sharding.is_fully_replicated
