@@ -13,14 +13,20 @@ from jaxllm.loading.errors import LoadError
 from jaxllm.models.registry import UnsupportedArchitectureError
 
 
-def load_hf_config(folder: Path) -> ModelConfig:
+def read_config_json(folder: Path, what: str = "a Hugging Face checkpoint folder") -> dict:
+    """config.json of `folder`, as a dict; LoadError (one line) when it is missing or not JSON."""
     path = folder / "config.json"
     if not path.is_file():
-        raise LoadError(f"{folder}: not a Hugging Face checkpoint folder (no config.json)")
+        raise LoadError(f"{folder}: not {what} (no config.json)")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise LoadError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_hf_config(folder: Path) -> ModelConfig:
+    raw = read_config_json(folder)
+    path = folder / "config.json"
     try:
         return ModelConfig.from_hf(raw)
     except (ConfigError, UnsupportedArchitectureError) as e:

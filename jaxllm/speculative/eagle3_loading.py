@@ -5,8 +5,6 @@ A folder with only ``pytorch_model.bin`` is refused: convert it to safetensors (
 
 from __future__ import annotations
 
-import json
-
 import jax
 import numpy as np
 from flax import nnx
@@ -14,7 +12,7 @@ from flax import nnx
 from jaxllm.config import ConfigError
 from jaxllm.loading.errors import LoadError
 from jaxllm.loading.fused import fuse
-from jaxllm.loading.hf import hf_tensors
+from jaxllm.loading.hf import hf_tensors, read_config_json
 from jaxllm.loading.resolve import resolve_model
 from jaxllm.loading.weights import place
 from jaxllm.models.llama import LlamaForCausalLM
@@ -50,13 +48,9 @@ def load_eagle3_head(name: str, target: LlamaForCausalLM, *, mesh: jax.sharding.
     """The head `name` for `target` (its dtype and kernels; its embedding when the head ships none). Raises
     ConfigError / LoadError with one line."""
     folder = resolve_model(name, revision=revision, download_dir=download_dir).path
-    path = folder / "config.json"
-    if not path.is_file():
+    if not folder.is_dir():
         raise LoadError(f"{name}: an EAGLE-3 head is a folder with config.json and safetensors weights")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise LoadError(f"{path}: invalid JSON ({e})") from None
+    raw = read_config_json(folder, "an EAGLE-3 head folder")
     try:
         cfg = Eagle3Config.from_hf(raw, target.config)
     except ConfigError as e:

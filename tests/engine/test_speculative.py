@@ -53,6 +53,21 @@ def test_no_compiles_after_warmup_and_every_page_free_after_aborts(spec_llm):
     run_with_aborts(spec_llm.engine, [prompt] * 6, SamplingParams(temperature=0, max_tokens=64), steps=8)
 
 
+def assert_plain_outputs(spec, plain, prompts, params) -> None:
+    """`spec` (an LLM with speculation) generates `plain`'s outputs: the same tokens, and cumulative logprobs to 6
+    digits (a sampled token's logprob may differ in its last bit between steps of other compositions: drafts change
+    which rows share a step, speculation or not); and it kept drafts and refused some on the way."""
+    def outputs(llm):
+        return [[(c.token_ids, None if c.cumulative_logprob is None else float(f"{c.cumulative_logprob:.6g}"))
+                 for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    stats = spec.spec_decode_stats
+    before = stats.num_draft_tokens, stats.num_accepted_tokens
+    assert outputs(spec) == outputs(plain)
+    drafted, kept = stats.num_draft_tokens - before[0], stats.num_accepted_tokens - before[1]
+    assert kept > 0 and drafted > kept
+
+
 def run_with_aborts(engine, prompts, params, steps: int) -> None:
     """Runs `prompts`, aborting the second and the fifth after `steps` steps: nothing compiles, and every page is
     free at the end."""
