@@ -109,7 +109,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
         draft = _eagle3_head(config, speculative, model, mesh)
     elif speculative is not None and speculative.method in MODEL_METHODS:
         draft = _draft_model(config, speculative, model, tokenizer, mesh, from_config)
-    features = draft.capture if speculative is not None and speculative.method == "eagle3" else ()
+    features = draft.eagle.aux_layers if speculative is not None and speculative.method == "eagle3" else ()
     kv = plan_kv_cache(config, model, draft, feature_size=len(features) * cfg.hidden_size)
     for m in [model] + ([draft] if draft is not None else []):
         if hasattr(m, "set_context_length"):

@@ -99,7 +99,8 @@ Row = tuple[list[int], int, list[int], int]  # (tokens to read, the position of 
 
 class DraftRunner:
     """The draft model's runner; a method whose draft reads more than its own cache (an EAGLE-3 head reads the
-    target's features) overrides `functions` and `extra` (arguments passed between the cache and the inputs)."""
+    target's features) names its own `catch_up_function` and `draft_function` and overrides `extra` (arguments passed
+    between the cache and the inputs)."""
 
     def __init__(self, model: Model, *, k: int, num_pages: int, page_size: int, max_model_len: int,
                  buckets: list[tuple[int, int]], kv_cache_dtype=None, mesh=None, tail: int = TAIL):
@@ -133,10 +134,14 @@ class DraftRunner:
         self.draft_executables = StepExecutables(jax.jit(draft, donate_argnums=(1,)), abstract_args, graphdef,
                                                  options, None)
 
+    # catch_up(graphdef, state_def, params, caches, *extra, inputs) -> caches; draft(graphdef, state_def, k, argmax,
+    # params, caches, *extra, inputs) -> (caches, drafts [S, k])
+    catch_up_function = staticmethod(catch_up_function)
+    draft_function = staticmethod(draft_function)
+
     def functions(self, graphdef, state_def, argmax):
-        """(catch_up(params, caches, *extra, inputs) -> caches, draft(...) -> (caches, drafts [S, k]))."""
-        return (functools.partial(catch_up_function, graphdef, state_def),
-                functools.partial(draft_function, graphdef, state_def, self.k, argmax))
+        return (functools.partial(self.catch_up_function, graphdef, state_def),
+                functools.partial(self.draft_function, graphdef, state_def, self.k, argmax))
 
     def extra(self) -> tuple:
         """Device arrays both kinds of step read after the cache (read when a step runs or is built)."""

@@ -15,7 +15,6 @@ target, does not depend on drafts."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -67,9 +66,8 @@ class Eagle3Runner(DraftRunner):
         self.target_features = features
         super().__init__(*args, **kwargs)
 
-    def functions(self, graphdef, state_def, argmax):
-        return (functools.partial(catch_up_function, graphdef, state_def),
-                functools.partial(draft_function, graphdef, state_def, self.k, argmax))
+    catch_up_function = staticmethod(catch_up_function)
+    draft_function = staticmethod(draft_function)
 
     def extra(self) -> tuple:
         return (self.target_features(),)

@@ -100,7 +100,6 @@ class Eagle3Head(nnx.Module):
         self.eagle = cfg
         self.config = layer  # what the engine sizes the head's KV cache by (one layer)
         self.dtype = dtype
-        self.capture = cfg.aux_layers
         self.embed_tokens = embed_tokens if embed_tokens is not None else \
             Embed(layer.vocab_size, e, dtype=dtype, rngs=rngs)
         self.fc = Linear(cfg.feature_size, e, (None, "embed"), dtype=dtype, rngs=rngs)

@@ -97,6 +97,4 @@ def load_eagle3_head(name: str, target: LlamaForCausalLM, *, mesh: jax.sharding.
                             f"{tuple(expected.shape)}")
         sharding = named_sharding(mesh, rules, var.get_metadata()["axes"])
         var.set_value(place(np.ascontiguousarray(value, dtype=expected.dtype), sharding))
-    head = nnx.merge(graphdef, state)
-    head.set_kernels(target.kernels)
-    return head
+    return nnx.merge(graphdef, state)
