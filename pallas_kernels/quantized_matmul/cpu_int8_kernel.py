@@ -48,7 +48,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     launch,
     load32,
     load64,
-    prefetch,
+    prefetch_l2,
     stable_key,
     symbol,
     to_int,
@@ -425,12 +425,12 @@ def _chunk(isa, bits, half, grouped=False):
                     ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
                     if ahead + 4 <= o:
                         for line in range(data + ahead * p, data + (ahead + 4) * p, 64):
-                            prefetch(line)
+                            prefetch_l2(line)
                         for line in range(scale + ahead * groups * size, scale + (ahead + 4) * groups * size, 64):
-                            prefetch(line)
+                            prefetch_l2(line)
                         for line in range(offset + ahead * offset_groups * size,
                                           offset + (ahead + 4) * offset_groups * size, 64):
-                            prefetch(line)
+                            prefetch_l2(line)
                 tok = t0
                 while tok < t1:
                     many = tok + toks <= t1

@@ -36,7 +36,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     launch,
     load32,
     load64,
-    prefetch,
+    prefetch_l2,
     symbol,
     to_int,
     to_ptr,
@@ -239,12 +239,12 @@ def _rows(bits, half):
                 ahead = r + PREFETCH_ROWS  # the hardware prefetcher alone leaves decode latency-bound
                 if ahead + 4 <= o:
                     for line in range(data + ahead * p, data + (ahead + 4) * p, 64):
-                        prefetch(line)
+                        prefetch_l2(line)
                     for line in range(scale + ahead * groups * size, scale + (ahead + 4) * groups * size, 64):
-                        prefetch(line)
+                        prefetch_l2(line)
                     for line in range(offset + ahead * offset_groups * size,
                                       offset + (ahead + 4) * offset_groups * size, 64):
-                        prefetch(line)
+                        prefetch_l2(line)
                 args = (data + r * p, p, scale + r * groups * size, offset + r * offset_groups * size,
                         groups * size, x, n, group, y + 4 * r)
                 if affine:
