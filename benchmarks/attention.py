@@ -8,6 +8,9 @@ Shapes follow SmolLM2 (9 q heads, 3 KV heads, head_dim 64; float32 queries, cach
 page size 16, one layer.
 - decode: 64 sequences x 1024 tokens of context, one query token each;
 - mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh).
+
+With --decode-one: the CPU kernel alone on one decoding sequence (a single stream's step) at each context of
+--contexts, float16 cache, called once a layer in a scan of 30 layers as a step calls it; microseconds a call.
 """
 
 from __future__ import annotations
@@ -70,11 +73,45 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int, kv_dty
     return kv_bytes / sec / 1e9
 
 
+def decode_one(contexts: list[int], rounds: int, layers: int = 30) -> dict[int, float]:
+    """Microseconds a layer's call of the CPU kernel takes for one decoding sequence at each context."""
+    step = attention_kernel(choose_kernels("cpu", kv_dtype=jnp.float16))
+    result = {}
+    for ctx in contexts:
+        q, _, k, v, meta = random_paged_batch([(1, ctx)], (HEADS, KV_HEADS, HEAD_DIM), PAGE, jnp.float32)
+        k, v = k.astype(jnp.float16), v.astype(jnp.float16)
+        new = jnp.zeros((1, KV_HEADS, HEAD_DIM), jnp.float16)
+        no_slots = jnp.full((1,), -1, jnp.int32)
+
+        def walk(q, k, v, m, new=new, no_slots=no_slots):
+            def body(c, _):
+                out = step(c, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,
+                           sm_scale=HEAD_DIM ** -0.5)[0]
+                return c + 1e-3 * out, None  # each layer's call waits for the one before
+            return jax.lax.scan(body, q, None, length=layers)[0]
+
+        fn = jax.jit(walk)
+        fn(q, k, v, meta).block_until_ready()
+        times = []
+        for _ in range(max(rounds, 50)):
+            start = time.perf_counter()
+            fn(q, k, v, meta).block_until_ready()
+            times.append((time.perf_counter() - start) / layers)
+        result[ctx] = statistics.median(times) * 1e6
+        print(f"one decoding sequence, {ctx:5d} tokens of context: {result[ctx]:7.1f} us a layer")
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--kv-cache-dtype", default="float32", help="comma-separated cache dtypes")
+    p.add_argument("--decode-one", action="store_true", help="one decoding sequence at each of --contexts")
+    p.add_argument("--contexts", default="150,512,1024,4096")
     args = p.parse_args()
+    if args.decode_one:
+        decode_one([int(c) for c in args.contexts.split(",")], args.rounds)
+        return
     bw = memory_bandwidth_gbs(args.rounds)
     print(f"memory bandwidth (512 MiB copy, read+write): {bw:.1f} GB/s; backend {jax.default_backend()}, "
           f"{jax.device_count()} device(s)")

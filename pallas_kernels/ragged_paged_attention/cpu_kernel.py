@@ -287,9 +287,9 @@ def plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, page_size, ou
     together, and the merges of split items [m, 7] (`merge_chunks`). A block whose keys reach past
     ``CONTEXT_CHUNK`` is split at its multiples (flash-decoding: a long context's pages spread over the threads,
     each read once) whatever the batch, so a sequence's numbers never depend on its neighbours. With fewer than
-    ``min_items`` items (one or two short decoding sequences), each is also split by q head, so that the threads
-    get even shares (they read the same pages, the second time from cache). Also zeroes the output rows no item
-    writes (padding tokens)."""
+    ``min_items`` items (a lone decoding sequence with fewer KV heads than threads), each is also split by q head,
+    so that every thread gets a share (they read the same pages, the second time from cache). Also zeroes the
+    output rows no item writes (padding tokens)."""
     num_seqs = kv_lens.shape[0]
     chunk = max(page_size, CONTEXT_CHUNK // page_size * page_size)
     n = 0
@@ -476,7 +476,12 @@ def _execute(frame):
         chunk_fn = _chunk_f32_address()
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
     n = workers()
-    min_items = 4 * n if n > 1 else 0  # below: split the items by q head to share them evenly
+    # Fewer items than threads (a lone decoding sequence of a model with one KV head): split by q head, so that
+    # every thread gets a share. Not for more: each share re-reads its KV head's pages and pays an item's set-up,
+    # and on 2 cores a lone SmolLM2 decode (3 KV heads) split 9 ways took 94-96 / 176-189 us a layer at 512 / 1024
+    # tokens of context against 68-72 / 134-137 us in 3 items (`benchmarks/attention.py --decode-one`, two
+    # alternating runs of each).
+    min_items = n if n > 1 else 0
     starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
     out = carray(to_ptr(out_p), (t, h, d), dtype=np.float32)
     work, merges, slots = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32), starts, kvh, h // kvh, block_q,
