@@ -147,9 +147,8 @@ def _prefetch(locality: int):
 
 # Hints the cache line at an address into the caches (a read; never faults): `prefetch` into every level, for
 # what is read next (an attention page); `prefetch_l2` into L2 and below, for a stream read some rows ahead (a
-# decode step's weights). Prefetching weight rows into L1 instead evicted the rows being read: on a Zen 4 EPYC a
-# cold 1-token Q4_1 matmul with 1536-value rows streamed at 7 GB/s a core, and at 16 GB/s into L2 (Q8_0 rows of
-# 576 values: 12 and 23 GB/s).
+# decode step's weights). Weight rows prefetched into L1 evicted the rows being read, the more so the longer the
+# rows (docs/performance.md, "A decode step's weights streamed at memory speed").
 prefetch, prefetch_l2 = _prefetch(3), _prefetch(2)
 
 

@@ -478,9 +478,8 @@ def _execute(frame):
     n = workers()
     # Fewer items than threads (a lone decoding sequence of a model with one KV head): split by q head, so that
     # every thread gets a share. Not for more: each share re-reads its KV head's pages and pays an item's set-up,
-    # and on 2 cores a lone SmolLM2 decode (3 KV heads) split 9 ways took 94-96 / 176-189 us a layer at 512 / 1024
-    # tokens of context against 68-72 / 134-137 us in 3 items (`benchmarks/attention.py --decode-one`, two
-    # alternating runs of each).
+    # which cost a lone SmolLM2 decode (3 KV heads) on 2 cores more than its uneven 3 items do
+    # (`benchmarks/attention.py --decode-one`; figures in docs/performance.md).
     min_items = n if n > 1 else 0
     starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
     out = carray(to_ptr(out_p), (t, h, d), dtype=np.float32)
