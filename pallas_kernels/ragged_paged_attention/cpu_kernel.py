@@ -4,12 +4,13 @@ place.
 XLA:CPU runs the jnp reference as "gather the pages into a temporary, then batched matmuls"; for decode the
 matmuls are tiny (``group x head_dim`` by ``head_dim x block``) and the gathered copy is written and read
 again, so a decode step spends ~3x the KV bytes in memory traffic. This kernel walks each sequence's block
-table and folds one page at a time into an online softmax. Work items are (sequence, KV head, block of query
-tokens), shared between the calling thread and XLA's thread pool (`pallas_kernels.cpu_ffi.parallel_for`).
+table and folds one page at a time into an online softmax, 8 query rows at once (`cpu_page_fold`). Work items
+are (sequence, KV head, block of query tokens), shared between the calling thread and XLA's thread pool
+(`pallas_kernels.cpu_ffi.parallel_for`).
 
-Caches hold float32, float16 or bfloat16 values; 16-bit values are widened to float32 as they are read (half
-the bytes a step streams, and decode attention is bound by them). numba has no 16-bit float types, so the kernel
-sees 16-bit caches as integer arrays whose type names the format: uint16 for float16 bits, int16 for bfloat16 bits
+Caches hold float32, float16 or bfloat16 values; 16-bit values are widened to float32 as they are read, a page at
+a time (half the bytes a step streams). numba has no 16-bit float types, so the kernel sees 16-bit caches as
+integer arrays whose type names the format: uint16 for float16 bits, int16 for bfloat16 bits
 (`pallas_kernels.cpu_ffi.widen`). Numerics match the reference (float32 accumulation, the same online-softmax
 algebra, the same widened values). Attention sinks (a logit per q head, `NEG` for none) are folded into each row's
 softmax once, after its keys (`_with_sink`), as the reference does.
@@ -50,6 +51,17 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     workers,
 )
 from pallas_kernels.ragged_paged_attention import cpu  # noqa: E402
+from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
+    EXP_POLY,
+    LANES,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    fold_page,
+    fold_page_rows,
+    fold_scores,
+    page_scores,
+)
 
 NEG = np.float32(cpu.NEG)
 
@@ -65,17 +77,10 @@ def _float_bits(typingctx, i):
     return types.float32(types.int32), lambda context, builder, sig, args: builder.bitcast(args[0], ir.FloatType())
 
 
-LOG2E, LN2_HI, LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.float32(-2.12194440e-4)
-# exp on [-ln2 / 2, ln2 / 2]: Cephes' expf polynomial (relative error ~1e-7)
-EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
-                                          1.6666665459e-1, 5.0000001201e-1))
-
-
 @numba.njit(inline="always", **_KW)
 def _exp(x):
-    """exp(x) for x <= 0 in plain arithmetic, so that a loop of them vectorizes (``math.exp`` is a libm call per
-    element, a fifth of a decode step's attention): x = n ln2 + r, exp(x) = 2^n exp(r); below -87 it
-    flushes to 0."""
+    """exp(x) for x <= 0 in plain arithmetic (`cpu_page_fold.ir_exp`'s polynomial; ``math.exp`` is a libm call):
+    x = n ln2 + r, exp(x) = 2^n exp(r); below -87 it flushes to 0. For the merges and sinks, a row at a time."""
     if x < np.float32(-87.0):
         return np.float32(0.0)
     n = np.floor(x * LOG2E + np.float32(0.5))
@@ -97,74 +102,6 @@ def _with_sink(m, total, sink):
 
 
 @numba.njit(inline="always", **_KW)
-def _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, base, start, first, window, soft_cap, d,  # noqa: E741
-               page_size):
-    """Folds one page (``kp``/``vp`` [page_size, d]) into the running softmax of ``rows`` query rows. `attend_block`
-    passes SmolLM2's (d, page_size) = (64, 16) as constants: the loops over them then unroll, and a full page's
-    weighted sum of V rows runs with each 16-float slice of the accumulator in a register across the page's rows.
-    (Each constant pair is one more inlined copy per cache type: ~1.6 s of numba's cold compile.)"""
-    for r in range(rows):
-        for c in range(page_size):
-            a = np.float32(0.0)
-            for x in range(d):
-                a += qs[r, x] * widen(kp[c, x])
-            sc[r, c] = a
-    # A page wholly inside a row's causal window needs no masking (the common case). Decided per row, so a row's
-    # arithmetic depends on its own position only, not on the other query rows of its block: a prefill chunk, a
-    # decode step and a speculative step compute a position's output alike. Rows are in position order, so the
-    # rows that see the page whole are a suffix; each part runs as its own loop (with `full` a constant in it,
-    # as fast as one loop over rows that all agree).
-    split = rows
-    if base >= start and window <= 0:
-        split = min(rows, max(0, base + page_size - 1 - first) * group)
-    for r in range(split):
-        _fold_row(r, False, first + r // group, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size)
-    for r in range(split, rows):
-        _fold_row(r, True, first + r // group, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size)
-
-
-@numba.njit(inline="always", **_KW)
-def _fold_row(r, full, qpos, acc, m, l, sc, vp, base, start, window, soft_cap, d, page_size):  # noqa: E741
-    row_max = NEG
-    for c in range(page_size):
-        s = sc[r, c]
-        if soft_cap > 0:
-            s = soft_cap * math.tanh(s / soft_cap)
-        if not full:
-            pos = base + c
-            if pos > qpos or pos < start or (window > 0 and pos <= qpos - window):
-                s = NEG
-        sc[r, c] = s
-        row_max = max(row_max, s)
-    if row_max == NEG:
-        return
-    m_new = max(m[r], row_max)
-    alpha = _exp(m[r] - m_new)
-    m[r] = m_new
-    for c in range(page_size):  # a vector loop: masked scores become exact zeros
-        s = sc[r, c]
-        sc[r, c] = _exp(s - m_new) if s != NEG else np.float32(0.0)
-    total = l[r] * alpha
-    for c in range(page_size):
-        total += sc[r, c]
-    l[r] = total
-    if full:
-        for x in range(d):
-            a = acc[r, x] * alpha
-            for c in range(page_size):
-                a += sc[r, c] * widen(vp[c, x])
-            acc[r, x] = a
-    else:
-        for x in range(d):
-            acc[r, x] *= alpha
-        for c in range(page_size):
-            p = sc[r, c]
-            if p != 0:  # masked slots may hold any bits (a stale inf would make 0 * inf = NaN)
-                for x in range(d):
-                    acc[r, x] += p * widen(vp[c, x])
-
-
-@numba.njit(inline="always", **_KW)
 def _prefetch_page(k_cache, v_cache, kh, page):
     k_addr = np.int64(k_cache[kh, page].ctypes.data)
     v_addr = np.int64(v_cache[kh, page].ctypes.data)
@@ -173,14 +110,23 @@ def _prefetch_page(k_cache, v_cache, kh, page):
         prefetch(v_addr + line)
 
 
+@numba.njit(inline="always", **_KW)
+def _widen_page(page, buf, d, visible):
+    """buf[:visible, :d] = the page's first ``visible`` rows as float32 (slots past a sequence's length may hold any
+    bits and are never read)."""
+    for c in range(visible):
+        for x in range(d):
+            buf[c, x] = widen(page[c, x])
+
+
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
                  sinks, block_q, s, kh, b0, g0, g1, lo, hi, slot, partials):
     """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group, over
-    the keys at positions ``lo .. hi`` (page-aligned). slot < 0: the normalised result into ``out``; else the
-    unnormalised accumulator, running max and sum into ``partials[slot]`` ([rows, D + 2]) for `merge_chunks`.
-    q, out [T, H, D]; caches [KVH, P, page, D]; window <= 0 and soft_cap <= 0 mean "none"; sinks [H] (`NEG`:
-    none), folded in here or by `merge_chunks`."""
+    the keys at positions ``lo .. hi`` (page-aligned), folded page by page into groups of 8 query rows
+    (`cpu_page_fold`). slot < 0: the normalised result into ``out``; else the unnormalised accumulator, running max
+    and sum into ``partials[slot]`` ([rows, D + 2]) for `merge_chunks`. q, out [T, H, D]; caches [KVH, P, page, D];
+    window <= 0 and soft_cap <= 0 mean "none"; sinks [H] (`NEG`: none), folded in here or by `merge_chunks`."""
     h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
     group = g1 - g0  # the heads this item computes
@@ -192,44 +138,78 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     start = max(0, first - window + 1) if window > 0 else 0
     nq = min(block_q, q_len - b0)
     rows = nq * group
-    qs = np.empty((rows, d), np.float32)  # pre-scaled queries
-    acc = np.zeros((rows, d), np.float32)
-    m = np.full(rows, NEG, np.float32)
-    l = np.zeros(rows, np.float32)  # noqa: E741
-    sc = np.empty((rows, page_size), np.float32)
+    lanes = LANES
+    groups = (rows + lanes - 1) // lanes
+    stride = (d + lanes - 1) // lanes * lanes
+    keys = (page_size + lanes - 1) // lanes * lanes
+    qt = np.zeros((groups, d, lanes), np.float32)  # pre-scaled queries, lane = row
+    # A decode's few rows (<= 8, one group) weight the values with lanes along d (`fold_page_rows`); the
+    # accumulator is then row-major and the values are read from the cache as they are
+    by_row = rows <= lanes and d % lanes == 0 and soft_cap <= 0
+    acc = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)
+    stats = np.empty((groups, 2, lanes), np.float32)  # running max, sum
+    qpos = np.empty((groups, lanes), np.int32)
+    low = np.empty((groups, lanes), np.int32)  # a key is visible to a row when low < pos <= qpos
+    sc = np.empty((keys, lanes), np.float32)
+    kf = np.zeros((keys, stride), np.float32)
+    vf = np.zeros((keys, stride), np.float32)
+    for r in range(groups * lanes):
+        g, lane = r // lanes, r % lanes
+        pos = first + min(r, rows - 1) // group  # padding lanes: the last row's window (their output is dropped)
+        qpos[g, lane] = pos
+        low[g, lane] = pos - window if window > 0 else -1
+        stats[g, 0, lane] = NEG
+        stats[g, 1, lane] = 0.0
+        if r < rows:
+            tok = q0 + b0 + r // group
+            head = first_head + r % group
+            for x in range(d):
+                qt[g, x, lane] = q[tok, head, x] * sm_scale
     last = first + nq - 1
-    for r in range(rows):
-        tok = q0 + b0 + r // group
-        head = first_head + r % group
-        for x in range(d):
-            qs[r, x] = q[tok, head, x] * sm_scale
     end_page = min(last + 1, hi) // page_size + (min(last + 1, hi) % page_size > 0)
     first_page = max(start, lo) // page_size
     if first_page < end_page:
         _prefetch_page(k_cache, v_cache, kh, block_tables[s, first_page])
+    sc_p, kf_p, vf_p = np.int64(sc.ctypes.data), np.int64(kf.ctypes.data), np.int64(vf.ctypes.data)
     for pi in range(first_page, end_page):
         page = block_tables[s, pi]
         if pi + 1 < end_page:  # pages are scattered, so the hardware prefetcher cannot guess the next one
             _prefetch_page(k_cache, v_cache, kh, block_tables[s, pi + 1])
-        kp, vp, at = k_cache[kh, page], v_cache[kh, page], pi * page_size
-        if d == 64 and page_size == 16:
-            _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, 64, 16)
-        else:
-            _fold_page(qs, acc, m, l, sc, kp, vp, rows, group, at, start, first, window, soft_cap, d, page_size)
-    if slot >= 0:
-        for r in range(rows):
-            for x in range(d):
-                partials[slot, r, x] = acc[r, x]
-            partials[slot, r, d] = m[r]
-            partials[slot, r, d + 1] = l[r]
-        return
+        at = pi * page_size
+        visible = min(page_size, ctx - at)  # keys past the sequence's length are never read
+        _widen_page(k_cache[kh, page], kf, d, visible)
+        if by_row:
+            fold_page_rows(np.int64(qt.ctypes.data), kf_p, np.int64(v_cache[kh, page].ctypes.data),
+                           v_cache[kh, page, 0, 0], d, stride, visible, sc_p, np.int64(stats.ctypes.data),
+                           np.int64(acc.ctypes.data), np.int64(qpos.ctypes.data), np.int64(low.ctypes.data),
+                           np.int64(at), rows)
+            continue
+        _widen_page(v_cache[kh, page], vf, d, visible)
+        for g in range(groups):
+            args = (np.int64(stats[g].ctypes.data), np.int64(acc[g].ctypes.data), np.int64(qpos[g].ctypes.data),
+                    np.int64(low[g].ctypes.data), np.int64(at))
+            if soft_cap > 0:
+                page_scores(np.int64(qt[g].ctypes.data), kf_p, d, stride, visible, sc_p)
+                for c in range(visible):
+                    for lane in range(lanes):
+                        sc[c, lane] = soft_cap * math.tanh(sc[c, lane] / soft_cap)
+                fold_scores(vf_p, stride, visible, sc_p, *args)
+            else:
+                fold_page(np.int64(qt[g].ctypes.data), kf_p, vf_p, d, stride, visible, sc_p, *args)
     for r in range(rows):
+        g, lane = r // lanes, r % lanes
+        if slot >= 0:
+            for x in range(d):
+                partials[slot, r, x] = acc[0, r, x] if by_row else acc[g, x, lane]
+            partials[slot, r, d] = stats[g, 0, lane]
+            partials[slot, r, d + 1] = stats[g, 1, lane]
+            continue
         tok = q0 + b0 + r // group
         head = first_head + r % group
-        total, alpha = _with_sink(m[r], l[r], sinks[head])
+        total, alpha = _with_sink(stats[g, 0, lane], stats[g, 1, lane], sinks[head])
         inv = alpha / total if total > 0 else np.float32(0.0)
         for x in range(d):
-            out[tok, head, x] = acc[r, x] * inv
+            out[tok, head, x] = (acc[0, r, x] if by_row else acc[g, x, lane]) * inv
 
 
 @numba.njit(**_KW)

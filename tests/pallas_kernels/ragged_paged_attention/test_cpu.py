@@ -91,6 +91,35 @@ def test_a_long_sequence_gets_the_same_bits_alone_or_in_a_batch():
             assert np.array_equal(_bits(_direct(alone, 1, min_items)[0]), _bits(together[t])), (seq, min_items)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 9}, {"soft_cap": 5.0}], ids=["plain", "window", "softcap"])
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_a_position_gets_the_same_bits_in_a_prompt_chunk_and_in_a_decode(dtype, options, head_dim):
+    """A prompt chunk's rows (lanes of 8-row groups), a decode's few rows (lanes along d) and a speculative step's
+    k + 1 rows fold a page alike: each position's output is the same bits however it is computed. Slots past the
+    sequence's length hold NaN, which no path may read."""
+    q_len, ctx, page = 20, 37, 8
+    case = make_case("prefill", num_heads=6, num_kv_heads=2, head_dim=head_dim, page_size=page, dtype=np.float32,
+                     seqs=[(q_len, ctx)], pad_tokens=0, pad_seqs=0)
+    k, v = np.array(case.k_cache), np.array(case.v_cache)
+    last = int(case.meta.block_tables[0, (ctx - 1) // page])
+    k[:, last, ctx % page:] = np.nan
+    v[:, last, ctx % page:] = np.nan
+    case = _narrowed(dataclasses.replace(case, k_cache=jnp.asarray(k), v_cache=jnp.asarray(v)), HALF_TYPES.get(
+        dtype, jnp.float32))
+    chunk = {block_q: _bits(_direct(case, block_q, 0, **options)) for block_q in (16, 4, 1)}
+    assert np.array_equal(chunk[16], chunk[4]) and np.array_equal(chunk[16], chunk[1])
+    assert not np.isnan(_direct(case, 16, 0, **options)).any()
+    for t in range(q_len):
+        for k_plus_1 in (1, 3):  # a decode, and the last token of a speculative step's k + 1
+            first = max(0, t - k_plus_1 + 1)
+            step = dataclasses.replace(case, q=case.q[first:t + 1], meta=dataclasses.replace(
+                case.meta, kv_lens=jnp.asarray([ctx - q_len + t + 1], jnp.int32),
+                query_start_loc=jnp.asarray([0, t + 1 - first], jnp.int32)))
+            got = _direct(step, 16, 0, **options)
+            assert np.array_equal(_bits(got[-1]), chunk[16][t]), (t, k_plus_1)
+
+
 def test_the_kernel_views_every_cache_type_by_its_ffi_type():
     assert set(CACHE_TYPES.values()) == {np.float32, *KERNEL_VIEW.values()}
     assert {jnp.dtype(t) for t in cpu.CACHE_DTYPES} == {jnp.dtype(jnp.float32), *KERNEL_VIEW}

@@ -1,0 +1,282 @@
+"""The CPU attention kernel's inner step: one page of keys folded into the online softmax of up to 8 query rows at
+once, in LLVM IR on <8 x float> vectors whose lanes are query rows (`cpu_kernel.attend_block` calls it per group of
+8 rows).
+
+Lanes as rows make every part of the fold a vector operation with no horizontal sums: a page's scores are 8-lane
+FMAs against broadcast keys, the running max, the exponentials and the row sums are lane-wise, and the weighted sum
+of V rows is 8-lane FMAs against broadcast values. Each lane (row) runs the same instructions whatever the other
+lanes hold and however many rows the block has, so a position's output is the same bits in a decode step, a
+prefill chunk or a speculative step, alone or batched. The arithmetic, per row:
+- score of key c: ``fma(q[x], k[c, x], s)`` for x = 0, 1, ..., d - 1 from 0 (queries pre-scaled);
+- keys outside the row's causal window (``pos > qpos`` or ``pos <= lo``) become `NEG`;
+- ``m' = max(m, max_c s_c)``, ``alpha = exp(m - m')``, ``p_c = exp(s_c - m')`` (0 for masked keys),
+  ``l' = l * alpha + p_0 + ... + p_{P-1}`` in key order;
+- ``acc'[x] = acc[x] * alpha`` then ``fma(p_c, v[c, x], acc')`` in key order.
+A row with no visible key in the page keeps m, l and acc (alpha is exp(0) = 1, every p is 0). ``exp`` is `ir_exp`,
+the same Cephes polynomial as `cpu_kernel._exp`, with its roundings written out.
+
+Layouts (float32, lane-minor): queries [d, 8], scores [P, 8], running max and sum [8] each, accumulator [d, 8];
+keys and values as float32 [P, d] (the kernel widens 16-bit pages into a buffer first); positions [8] int32.
+P and d are multiples of 8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from pallas_kernels.cpu_ffi import ir_for
+from pallas_kernels.ragged_paged_attention import cpu
+
+LANES = 8
+LOG2E, LN2_HI, LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.float32(-2.12194440e-4)
+# exp on [-ln2 / 2, ln2 / 2]: Cephes' expf polynomial (relative error ~1e-7)
+EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                          1.6666665459e-1, 5.0000001201e-1))
+_F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+_V, _VI = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
+_NEG = float(np.float32(cpu.NEG))
+
+
+def _ptr(b, addr, ty, offset):
+    return b.inttoptr(b.add(addr, offset) if not isinstance(offset, int) else
+                      (b.add(addr, ir.Constant(_I64, offset)) if offset else addr), ty.as_pointer())
+
+
+def _load(b, addr, ty, offset=0):
+    return b.load(_ptr(b, addr, ty, offset), align=4)
+
+
+def _store(b, value, addr, offset=0):
+    b.store(value, _ptr(b, addr, value.type, offset), align=4)
+
+
+def _splat(b, scalar):
+    vec = b.insert_element(ir.Constant(_V, None), scalar, ir.Constant(_I32, 0))
+    return b.shuffle_vector(vec, ir.Constant(_V, None), ir.Constant(_VI, [0] * LANES))
+
+
+def _const(value):
+    return ir.Constant(_V, [float(np.float32(value))] * LANES)
+
+
+def _call(b, name, *args):
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V, [a.type for a in args]), name)
+    return b.call(fn, list(args))
+
+
+def _ieee(instr):
+    """Marks a float instruction so that numba's fastmath pass, which flags every unflagged float instruction of a
+    module ``fast``, leaves it IEEE (``arcp`` only licenses reciprocals, which these instructions do not take): with
+    ``fast`` LLVM may reassociate a loop's sums differently for different trip counts, and a row's bits would then
+    depend on how many keys its page holds."""
+    instr.flags.append("arcp")
+    return instr
+
+
+def _fadd(b, x, y):
+    return _ieee(b.fadd(x, y))
+
+
+def _fsub(b, x, y):
+    return _ieee(b.fsub(x, y))
+
+
+def _fmul(b, x, y):
+    return _ieee(b.fmul(x, y))
+
+
+def _fcmp(b, op, x, y):
+    return b.fcmp_ordered(op, x, y, flags=("arcp",))
+
+
+def _fma(b, x, y, z):
+    return _call(b, "llvm.fma.v8f32", x, y, z)
+
+
+def _mul(b, *args):
+    """i64 product of Python ints and i64 values."""
+    out = None
+    for a in args:
+        a = ir.Constant(_I64, a) if isinstance(a, int) else a
+        out = a if out is None else b.mul(out, a)
+    return out
+
+
+def ir_exp(b, x):
+    """exp(x) lane-wise for x <= 0 (0 below -87): x = n ln2 + r, exp(x) = 2^n exp(r) with `cpu_kernel`'s Cephes
+    polynomial on r."""
+    n = _call(b, "llvm.floor.v8f32", _fma(b, x, _const(LOG2E), _const(0.5)))
+    r = _fma(b, n, _const(-LN2_HI), x)
+    r = _fma(b, n, _const(-LN2_LO), r)
+    poly = _const(EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        poly = _fma(b, poly, r, _const(c))
+    p = _fadd(b, _fma(b, poly, _fmul(b, r, r), r), _const(1.0))
+    scale = b.bitcast(b.shl(b.add(b.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
+                            ir.Constant(_VI, [23] * LANES)), _V)
+    return b.select(_fcmp(b, "<", x, _const(-87.0)), _const(0.0), _fmul(b, p, scale))
+
+
+def _blocks(b, n):
+    """ceil(n / 8)."""
+    return b.sdiv(b.add(n, ir.Constant(_I64, LANES - 1)), ir.Constant(_I64, LANES))
+
+
+def _scores(b, qt, keys, d, stride, page, scores):
+    """scores[c] = queries . keys[c] for the page's keys, 8 at a time (8 independent FMA chains over x); a page of
+    P keys computes ceil(P / 8) * 8 scores (those past P are masked by `_softmax`)."""
+    def block(cb, _):
+        def step(x, accs):
+            q = _load(b, qt, _V, _mul(b, x, 4 * LANES))
+            row = b.add(_mul(b, cb, LANES, stride), x)
+            return [_fma(b, q, _splat(b, _load(b, keys, _F32, _mul(b, b.add(row, _mul(b, j, stride)), 4))), acc)
+                    for j, acc in enumerate(accs)]
+        accs = ir_for(b, d, [_const(0.0)] * LANES, step)
+        for j, acc in enumerate(accs):
+            _store(b, acc, scores, _mul(b, b.add(_mul(b, cb, LANES), ir.Constant(_I64, j)), 4 * LANES))
+        return []
+    ir_for(b, _blocks(b, page), [], block)
+
+
+def _softmax(b, scores, stats, qpos, lo, base, page):
+    """Masks, folds the page's max and sum into stats ([m, l] x 8 lanes) and turns the scores into p; the factor
+    alpha the accumulator takes."""
+    qv, lov = _load(b, qpos, _VI), _load(b, lo, _VI)
+    neg = _const(_NEG)
+
+    def masked(c, row_max):
+        s = _load(b, scores, _V, _mul(b, c, 4 * LANES))
+        pos = b.trunc(b.add(base, c), _I32)
+        pv = b.shuffle_vector(b.insert_element(ir.Constant(_VI, None), pos, ir.Constant(_I32, 0)),
+                              ir.Constant(_VI, None), ir.Constant(_VI, [0] * LANES))
+        out = b.or_(b.icmp_signed(">", pv, qv), b.icmp_signed("<=", pv, lov))
+        s = b.select(out, neg, s)
+        _store(b, s, scores, _mul(b, c, 4 * LANES))
+        return [b.select(_fcmp(b, ">", s, row_max[0]), s, row_max[0])]
+
+    (row_max,) = ir_for(b, page, [neg], masked)
+    m = _load(b, stats, _V)
+    m_new = b.select(_fcmp(b, ">", row_max, m), row_max, m)
+    alpha = ir_exp(b, _fsub(b, m, m_new))
+
+    def weights(c, total):
+        s = _load(b, scores, _V, _mul(b, c, 4 * LANES))
+        p = b.select(_fcmp(b, "==", s, neg), _const(0.0), ir_exp(b, _fsub(b, s, m_new)))
+        _store(b, p, scores, _mul(b, c, 4 * LANES))
+        return [_fadd(b, total[0], p)]
+
+    (total,) = ir_for(b, page, [_fmul(b, _load(b, stats, _V, 4 * LANES), alpha)], weights)
+    _store(b, m_new, stats)
+    _store(b, total, stats, 4 * LANES)
+    return alpha
+
+
+def _weighted_values(b, scores, values, stride, page, alpha, acc):
+    """acc[x] = acc[x] * alpha + sum_c p_c values[c, x], 8 positions x at a time, for x < stride (a multiple of 8:
+    the buffer's columns past d are zeros)."""
+    def block(xb, _):
+        at = [_mul(b, b.add(_mul(b, xb, LANES), ir.Constant(_I64, j)), 4 * LANES) for j in range(LANES)]
+        start = [_fmul(b, _load(b, acc, _V, o), alpha) for o in at]
+
+        def step(c, accs):
+            p = _load(b, scores, _V, _mul(b, c, 4 * LANES))
+            row = b.add(_mul(b, c, stride), _mul(b, xb, LANES))
+            return [_fma(b, p, _splat(b, _load(b, values, _F32, _mul(b, b.add(row, ir.Constant(_I64, j)), 4))), a)
+                    for j, a in enumerate(accs)]
+        for o, a in zip(at, ir_for(b, page, start, step), strict=True):
+            _store(b, a, acc, o)
+        return []
+    ir_for(b, b.sdiv(stride, ir.Constant(_I64, LANES)), [], block)
+
+
+def _load_values(b, values, element, offset):
+    """8 consecutive cache values at element ``offset`` as float32 (`cpu_ffi.widen`'s conversions, 8 at a time)."""
+    if element == types.float32:
+        return _load(b, values, _V, _mul(b, offset, 4))
+    bits = _load(b, values, ir.VectorType(ir.IntType(16), LANES), _mul(b, offset, 2))
+    if element == types.uint16:  # float16
+        return b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), _V)
+    wide = b.shl(b.zext(bits, _VI), ir.Constant(_VI, [16] * LANES))  # bfloat16: the upper half of a float32
+    return b.bitcast(wide, _V)
+
+
+def _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, rows):
+    """`_weighted_values` with lanes as value positions: for each of ``rows`` rows, acc[r, x] (row-major [rows, d])
+    = acc[r, x] * alpha[r] + sum_c p[c, r] values[c, x], the same arithmetic element by element, in
+    rows x d / 8 vector FMAs a key instead of d (a decode's 1-8 rows), reading the cache page as it is."""
+    nx = b.sdiv(d, ir.Constant(_I64, LANES))
+
+    def row(r, _):
+        a = _splat(b, b.extract_element(alpha, b.trunc(r, _I32)))
+
+        def run(first, width):  # `width` 8-value blocks from block `first`: independent FMA chains over c
+            at = [_mul(b, b.add(_mul(b, r, d), _mul(b, b.add(first, ir.Constant(_I64, j)), LANES)), 4)
+                  for j in range(width)]
+
+            def step(c, accs):
+                p = _splat(b, _load(b, scores, _F32, _mul(b, b.add(_mul(b, c, LANES), r), 4)))
+                row_at = b.add(_mul(b, c, d), _mul(b, first, LANES))
+                return [_fma(b, p, _load_values(b, values, element, b.add(row_at, ir.Constant(_I64, LANES * j))), x)
+                        for j, x in enumerate(accs)]
+            for o, x in zip(at, ir_for(b, page, [_fmul(b, _load(b, acc, _V, o), a) for o in at], step), strict=True):
+                _store(b, x, acc, o)
+
+        wide = b.sdiv(nx, ir.Constant(_I64, LANES))
+        ir_for(b, wide, [], lambda i, _: run(_mul(b, i, LANES), LANES) or [])
+        tail = _mul(b, wide, LANES)
+        ir_for(b, b.sub(nx, tail), [], lambda i, _: run(b.add(tail, i), 1) or [])
+        return []
+    ir_for(b, rows, [], row)
+
+
+@intrinsic
+def fold_page_rows(typingctx, qt, keys, values, element, d, stride, page, scores, stats, acc, qpos, lo, base, rows):
+    """`fold_page` for one group of ``rows`` <= 8 rows with a row-major accumulator acc [rows, d] and the values
+    read from the cache page as they are (``values``: its address; ``element``: one of its elements, whose numba
+    type names the format as in `cpu_ffi.widen`; d a multiple of 8)."""
+    def codegen(context, b, sig, args):
+        qt, keys, values, _, d, stride, page, scores, stats, acc, qpos, lo, base, rows = args
+        _scores(b, qt, keys, d, stride, page, scores)
+        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
+        _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, rows)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, element, *[types.int64] * 10), codegen
+
+
+@intrinsic
+def fold_page(typingctx, qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base):
+    """Folds one page into 8 rows' online softmax. Addresses: qt [d, 8], keys/values [ceil(page / 8) * 8, stride]
+    (float32, rows past ``page`` and columns past d zero), scores [ceil(page / 8) * 8, 8] (scratch), stats [2, 8]
+    (running max, sum), acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when
+    lo < pos <= qpos); base: the page's first position."""
+    def codegen(context, b, sig, args):
+        qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base = args
+        _scores(b, qt, keys, d, stride, page, scores)
+        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
+        _weighted_values(b, scores, values, stride, page, alpha, acc)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 12), codegen
+
+
+@intrinsic
+def page_scores(typingctx, qt, keys, d, stride, page, scores):
+    """`fold_page`'s scores alone, for models that transform them before the softmax (soft-capping)."""
+    def codegen(context, b, sig, args):
+        _scores(b, *args)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 6), codegen
+
+
+@intrinsic
+def fold_scores(typingctx, values, stride, page, scores, stats, acc, qpos, lo, base):
+    """`fold_page` after its scores are in ``scores``."""
+    def codegen(context, b, sig, args):
+        values, stride, page, scores, stats, acc, qpos, lo, base = args
+        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
+        _weighted_values(b, scores, values, stride, page, alpha, acc)
+        return context.get_dummy_value()
+    return types.void(*[types.int64] * 9), codegen
