@@ -128,6 +128,10 @@ def _enable_lora(config: EngineConfig, model: Model) -> None:
     if model.multimodal or not model.causal or not hasattr(model, "unstack_layers"):
         raise ConfigError("enable_lora: LoRA adapters run on text decoder models (Llama-family layers)")
     lora.enable(model, config.max_loras, config.max_lora_rank, config.lora_dtype)
+    if jax.default_backend() == "cpu":  # now, not when first traced: a step loaded from the executable cache is
+        from pallas_kernels.lora_delta.cpu import register  # never traced, and its custom call needs the target
+
+        register()
 
 
 def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> SpeculativeConfig | None:

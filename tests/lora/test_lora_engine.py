@@ -4,6 +4,9 @@ in and out of one device slot without a compile; prefix-cache pages never shared
 base model (a forced hash collision included)."""
 
 import copy
+import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +83,30 @@ def test_one_adapter_and_a_mixed_batch_equal_peft(setup):
     assert _run(llm, prompts, mix) == [_hf_greedy(m, p) for m, p in zip(models, prompts, strict=True)]
     bm = llm.engine.block_manager
     assert bm.num_free_pages == bm.num_pages and all(u == 0 for u in llm.engine.loras.users)
+
+
+LORA_PROGRAM = """
+import sys
+from jaxllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", max_num_seqs=2, max_num_batched_tokens=16, num_pages=64, max_model_len=64,
+          page_size=4, compilation_cache_dir=sys.argv[2], enable_lora=True, max_loras=1, max_lora_rank=16)
+params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+print(llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)[0].outputs[0].token_ids)
+"""
+
+
+def test_a_new_process_loads_a_lora_engines_steps_from_the_executable_cache(tiny_model_dir, tmp_path):
+    """The adapter kernel's custom-call target is registered when the engine starts, not when a step is traced:
+    a step loaded from the executable cache is never traced, and without the target it could not be loaded."""
+    folder, _ = tiny_model_dir("qwen2")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.run([sys.executable, "-c", LORA_PROGRAM, str(folder), str(tmp_path)], capture_output=True,
+                           text=True, env=env, timeout=600) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert runs[0].stdout == runs[1].stdout and runs[0].stdout.startswith("[")
+    assert any((tmp_path / "executables").iterdir())
+    assert "unreadable" not in runs[1].stderr, runs[1].stderr[-3000:]
 
 
 def test_more_adapters_than_slots_wait_and_swapping_never_compiles(setup, tiny_model_dir, compile_cache_dir):
