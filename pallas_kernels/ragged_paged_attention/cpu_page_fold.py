@@ -15,9 +15,11 @@ prefill chunk or a speculative step, alone or batched. The arithmetic, per row:
 A row with no visible key in the page keeps m, l and acc (alpha is exp(0) = 1, every p is 0). ``exp`` is `ir_exp`,
 the same Cephes polynomial as `cpu_kernel._exp`, with its roundings written out.
 
-Layouts (float32, lane-minor): queries [d, 8], scores [P, 8], running max and sum [8] each, accumulator [d, 8];
-keys and values as float32 [P, d] (the kernel widens 16-bit pages into a buffer first); positions [8] int32.
-P and d are multiples of 8.
+Layouts (float32, lane-minor): queries [d, 8], scores [8 * ceil(P / 8), 8], running max and sum [8] each,
+accumulator [stride, 8]; keys and values as float32 [8 * ceil(P / 8), stride] (the kernel widens a page into
+buffers first; stride: d rounded up to a multiple of 8, the columns past d zero); positions [8] int32. P (the keys
+folded: a page's, or those of a sequence's last page that exist) and d are any counts; scores are computed 8 keys
+at a time, those past P unused. `fold_page_rows` reads the values from the cache page itself (d a multiple of 8).
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ _NEG = float(np.float32(cpu.NEG))
 
 
 def _ptr(b, addr, ty, offset):
-    return b.inttoptr(b.add(addr, offset) if not isinstance(offset, int) else
-                      (b.add(addr, ir.Constant(_I64, offset)) if offset else addr), ty.as_pointer())
+    """A pointer to `ty` at addr + offset (a Python int or an i64 value)."""
+    if isinstance(offset, int):
+        offset = ir.Constant(_I64, offset)
+    return b.inttoptr(b.add(addr, offset), ty.as_pointer())
 
 
 def _load(b, addr, ty, offset=0):
@@ -128,7 +132,7 @@ def _blocks(b, n):
 
 def _scores(b, qt, keys, d, stride, page, scores):
     """scores[c] = queries . keys[c] for the page's keys, 8 at a time (8 independent FMA chains over x); a page of
-    P keys computes ceil(P / 8) * 8 scores (those past P are masked by `_softmax`)."""
+    P keys computes ceil(P / 8) * 8 scores (those past P are never read)."""
     def block(cb, _):
         def step(x, accs):
             q = _load(b, qt, _V, _mul(b, x, 4 * LANES))
@@ -249,10 +253,11 @@ def fold_page_rows(typingctx, qt, keys, values, element, d, stride, page, scores
 
 @intrinsic
 def fold_page(typingctx, qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base):
-    """Folds one page into 8 rows' online softmax. Addresses: qt [d, 8], keys/values [ceil(page / 8) * 8, stride]
-    (float32, rows past ``page`` and columns past d zero), scores [ceil(page / 8) * 8, 8] (scratch), stats [2, 8]
-    (running max, sum), acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when
-    lo < pos <= qpos); base: the page's first position."""
+    """Folds a page's first ``page`` keys into 8 rows' online softmax. Addresses: qt [d, 8], keys/values
+    [ceil(page / 8) * 8, stride] (float32; rows past ``page`` are not read for their values and their scores are
+    not used; columns past d zero), scores [ceil(page / 8) * 8, 8] (scratch), stats [2, 8] (running max, sum),
+    acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when lo < pos <= qpos); base:
+    the page's first position."""
     def codegen(context, b, sig, args):
         qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base = args
         _scores(b, qt, keys, d, stride, page, scores)
