@@ -57,9 +57,8 @@ from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
     LN2_HI,
     LN2_LO,
     LOG2E,
-    fold_page,
-    fold_page_rows,
     fold_scores,
+    fold_scores_by_row,
     page_scores,
 )
 
@@ -143,9 +142,9 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     stride = (d + lanes - 1) // lanes * lanes
     keys = (page_size + lanes - 1) // lanes * lanes
     qt = np.zeros((groups, d, lanes), np.float32)  # pre-scaled queries, lane = row
-    # A decode's few rows (<= 8, one group) weight the values with lanes along d (`fold_page_rows`); the
+    # A decode's few rows (<= 8, one group) weight the values with lanes along d (`fold_scores_by_row`): the
     # accumulator is then row-major and the values are read from the cache as they are
-    by_row = rows <= lanes and d % lanes == 0 and soft_cap <= 0
+    by_row = rows <= lanes and d % lanes == 0
     acc = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)
     stats = np.empty((groups, 2, lanes), np.float32)  # running max, sum
     qpos = np.empty((groups, lanes), np.int32)
@@ -178,24 +177,21 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
         at = pi * page_size
         visible = min(page_size, ctx - at)  # keys past the sequence's length are never read
         _widen_page(k_cache[kh, page], kf, d, visible)
-        if by_row:
-            fold_page_rows(np.int64(qt.ctypes.data), kf_p, np.int64(v_cache[kh, page].ctypes.data),
-                           v_cache[kh, page, 0, 0], d, stride, visible, sc_p, np.int64(stats.ctypes.data),
-                           np.int64(acc.ctypes.data), np.int64(qpos.ctypes.data), np.int64(low.ctypes.data),
-                           np.int64(at), rows)
-            continue
-        _widen_page(v_cache[kh, page], vf, d, visible)
+        if not by_row:
+            _widen_page(v_cache[kh, page], vf, d, visible)
         for g in range(groups):
-            args = (np.int64(stats[g].ctypes.data), np.int64(acc[g].ctypes.data), np.int64(qpos[g].ctypes.data),
-                    np.int64(low[g].ctypes.data), np.int64(at))
+            page_scores(np.int64(qt[g].ctypes.data), kf_p, d, stride, visible, sc_p)
             if soft_cap > 0:
-                page_scores(np.int64(qt[g].ctypes.data), kf_p, d, stride, visible, sc_p)
                 for c in range(visible):
                     for lane in range(lanes):
                         sc[c, lane] = soft_cap * math.tanh(sc[c, lane] / soft_cap)
-                fold_scores(vf_p, stride, visible, sc_p, *args)
+            state = (np.int64(stats[g].ctypes.data), np.int64(acc[g].ctypes.data), np.int64(qpos[g].ctypes.data),
+                     np.int64(low[g].ctypes.data), np.int64(at))
+            if by_row:
+                fold_scores_by_row(np.int64(v_cache[kh, page].ctypes.data), v_cache[kh, page, 0, 0], d, visible,
+                                   sc_p, *state, rows)
             else:
-                fold_page(np.int64(qt[g].ctypes.data), kf_p, vf_p, d, stride, visible, sc_p, *args)
+                fold_scores(vf_p, stride, visible, sc_p, *state)
     for r in range(rows):
         g, lane = r // lanes, r % lanes
         if slot >= 0:

@@ -19,7 +19,8 @@ Layouts (float32, lane-minor): queries [d, 8], scores [8 * ceil(P / 8), 8], runn
 accumulator [stride, 8]; keys and values as float32 [8 * ceil(P / 8), stride] (the kernel widens a page into
 buffers first; stride: d rounded up to a multiple of 8, the columns past d zero); positions [8] int32. P (the keys
 folded: a page's, or those of a sequence's last page that exist) and d are any counts; scores are computed 8 keys
-at a time, those past P unused. `fold_page_rows` reads the values from the cache page itself (d a multiple of 8).
+at a time, those past P unused. `fold_scores_by_row` reads the values from the cache page itself (d a multiple
+of 8).
 """
 
 from __future__ import annotations
@@ -238,38 +239,10 @@ def _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, row
 
 
 @intrinsic
-def fold_page_rows(typingctx, qt, keys, values, element, d, stride, page, scores, stats, acc, qpos, lo, base, rows):
-    """`fold_page` for one group of ``rows`` <= 8 rows with a row-major accumulator acc [rows, d] and the values
-    read from the cache page as they are (``values``: its address; ``element``: one of its elements, whose numba
-    type names the format as in `cpu_ffi.widen`; d a multiple of 8)."""
-    def codegen(context, b, sig, args):
-        qt, keys, values, _, d, stride, page, scores, stats, acc, qpos, lo, base, rows = args
-        _scores(b, qt, keys, d, stride, page, scores)
-        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
-        _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, rows)
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64, element, *[types.int64] * 10), codegen
-
-
-@intrinsic
-def fold_page(typingctx, qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base):
-    """Folds a page's first ``page`` keys into 8 rows' online softmax. Addresses: qt [d, 8], keys/values
-    [ceil(page / 8) * 8, stride] (float32; rows past ``page`` are not read for their values and their scores are
-    not used; columns past d zero), scores [ceil(page / 8) * 8, 8] (scratch), stats [2, 8] (running max, sum),
-    acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when lo < pos <= qpos); base:
-    the page's first position."""
-    def codegen(context, b, sig, args):
-        qt, keys, values, d, stride, page, scores, stats, acc, qpos, lo, base = args
-        _scores(b, qt, keys, d, stride, page, scores)
-        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
-        _weighted_values(b, scores, values, stride, page, alpha, acc)
-        return context.get_dummy_value()
-    return types.void(*[types.int64] * 12), codegen
-
-
-@intrinsic
 def page_scores(typingctx, qt, keys, d, stride, page, scores):
-    """`fold_page`'s scores alone, for models that transform them before the softmax (soft-capping)."""
+    """scores [ceil(page / 8) * 8, 8] = 8 rows' queries qt [d, 8] against a page's keys [ceil(page / 8) * 8,
+    stride] (float32 addresses; key rows past ``page`` give scores nobody reads). A model that transforms its scores
+    before the softmax (soft-capping) does so between this and `fold_scores`."""
     def codegen(context, b, sig, args):
         _scores(b, *args)
         return context.get_dummy_value()
@@ -278,10 +251,26 @@ def page_scores(typingctx, qt, keys, d, stride, page, scores):
 
 @intrinsic
 def fold_scores(typingctx, values, stride, page, scores, stats, acc, qpos, lo, base):
-    """`fold_page` after its scores are in ``scores``."""
+    """Folds a page's first ``page`` keys, their scores in ``scores``, into 8 rows' online softmax. Addresses:
+    values [page, stride] float32 (columns past d zero), scores [ceil(page / 8) * 8, 8] (turned into p), stats
+    [2, 8] (running max, sum), acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when
+    lo < pos <= qpos); base: the page's first position."""
     def codegen(context, b, sig, args):
         values, stride, page, scores, stats, acc, qpos, lo, base = args
         alpha = _softmax(b, scores, stats, qpos, lo, base, page)
         _weighted_values(b, scores, values, stride, page, alpha, acc)
         return context.get_dummy_value()
     return types.void(*[types.int64] * 9), codegen
+
+
+@intrinsic
+def fold_scores_by_row(typingctx, values, element, d, page, scores, stats, acc, qpos, lo, base, rows):
+    """`fold_scores` for ``rows`` <= 8 rows (a decode's) with a row-major accumulator acc [rows, d] and the values
+    read from the cache page as they are (``values``: its address; ``element``: one of its elements, whose numba
+    type names the format as in `cpu_ffi.widen`; d a multiple of 8)."""
+    def codegen(context, b, sig, args):
+        values, _, d, page, scores, stats, acc, qpos, lo, base, rows = args
+        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
+        _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, rows)
+        return context.get_dummy_value()
+    return types.void(types.int64, element, *[types.int64] * 9), codegen
