@@ -106,13 +106,14 @@ def model_config(engine: EngineConfig) -> ModelConfig:
 
 
 def make_plan(cfg: ModelConfig, engine: EngineConfig, device: Device, tp: int, context: int) -> Plan:
-    check_tensor_parallel(cfg, tp)
+    check_tensor_parallel(cfg, tp, experts_over_tp=engine.enable_expert_parallel)
     dtype = resolve_dtype(engine.dtype if engine.dtype != "auto" else "bfloat16")
     itemsize = jnp.dtype(dtype).itemsize
     kernels = Kernels("reference", "reference", "gpu")  # shapes only: the kernel choice does not matter
     model = LlamaForCausalLM(cfg, dtype=dtype, kernels=kernels, rngs=None)
     model.stack_layers()
-    rules = logical_rules(cfg, tp)
+    rules = logical_rules(cfg, tp, experts_over_tp=engine.enable_expert_parallel)  # (experts split by tp either way:
+    # by rows, or whole with enable_expert_parallel)
     total = per_device = experts = 0
     for _, var in nnx.to_flat_state(nnx.state(model)):
         size = int(np.prod(var.get_value().shape)) * itemsize
@@ -179,13 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, help="tensor parallel size (default: the preset's)")
     p.add_argument("--context", type=int, default=1024, help="tokens of context per sequence for the roofline")
     p.add_argument("--kv-cache-dtype", help="default: the preset's (auto: the model's dtype)")
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="a mixture of experts' experts whole over the --tp devices")
     args = p.parse_args(argv)
     from jaxllm.config import ConfigError
     from jaxllm.loading import LoadError
 
     try:
         engine = EngineConfig.from_preset(args.preset, model=args.model or args.model_flag, revision=args.revision,
-                                          kv_cache_dtype=args.kv_cache_dtype)
+                                          kv_cache_dtype=args.kv_cache_dtype,
+                                          enable_expert_parallel=args.enable_expert_parallel)
         cfg = model_config(engine)
         device = args.device or next((d for d in DEVICES if d in args.preset), "h100")
         plan = make_plan(cfg, engine, DEVICES[device], args.tp or engine.tensor_parallel_size, args.context)

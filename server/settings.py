@@ -65,7 +65,7 @@ _ENGINE_ENV = {
     "async_scheduling": _flag, "enable_prefix_caching": _flag, "seed": int, "page_size": int,
     "limit_mm_per_prompt": int, "encoder_budget": int, "encoder_cache_tokens": int, "mm_max_pixels": int,
     "speculative_config": str, "enable_lora": _flag, "max_loras": int, "max_lora_rank": int, "max_cpu_loras": int,
-    "lora_dtype": str,
+    "lora_dtype": str, "enable_expert_parallel": _flag,
 }
 
 

@@ -108,3 +108,16 @@ def test_qwen3_moe_keeps_every_expert_and_reads_the_routed_ones():
     share = 1 - (1 - 8 / 128) ** batch
     assert batch > 1 and 8 / 128 < share < 1
     assert plan.decode_tok_s[batch] == pytest.approx(batch * 3.35e12 / (dense + 2 * experts * share + batch * kv))
+
+
+def test_whole_experts_over_the_tp_devices_take_the_same_share_of_each(capsys):
+    """--enable-expert-parallel: each of 4 devices holds 32 whole experts instead of a quarter of every expert's
+    rows, the same bytes; a model without experts is refused in one line."""
+    cfg = bundled_model_config("Qwen/Qwen3-30B-A3B")
+    rows = make_plan(cfg, EngineConfig.from_preset("llama-3.1-8b-h100"), DEVICES["h100"], tp=4, context=1024)
+    whole = make_plan(cfg, EngineConfig.from_preset("llama-3.1-8b-h100", enable_expert_parallel=True),
+                      DEVICES["h100"], tp=4, context=1024)
+    assert whole.expert_bytes_per_device == rows.expert_bytes_per_device == 2 * 48 * 128 * 3 * 768 * 2048 // 4
+    assert whole.weight_bytes_per_device == rows.weight_bytes_per_device
+    assert main(["--preset", "llama-3.1-8b-h100", "--tp", "4", "--enable-expert-parallel"]) == 2
+    assert capsys.readouterr().err.strip() == "error: enable_expert_parallel needs a mixture-of-experts model"

@@ -1,5 +1,7 @@
 """Tensor parallelism over 4 host CPU devices gives the same logits as one device."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,7 +9,8 @@ import pytest
 
 from jaxllm.config import ConfigError
 from jaxllm.loading import load_model
-from jaxllm.sharding import make_mesh
+from jaxllm.plan import bundled_model_config
+from jaxllm.sharding import logical_rules, make_mesh
 from tests.matrix import sampled
 from tests.paged_driver import PagedRunner
 
@@ -150,6 +153,47 @@ def test_expert_parallel_matches_single_device(case, tp, ep, attn_impl, tiny_mod
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
+@pytest.mark.parametrize(("case", "tp", "ep"), sampled(
+    [("qwen3_moe", 2, 1), ("qwen2_moe", 2, 1), ("qwen3_moe", 2, 2), ("mixtral", 2, 1)],
+    lambda p: p[:2] == ("qwen2_moe", 2)))
+def test_enable_expert_parallel_places_whole_experts_on_the_tensor_parallel_devices(case, tp, ep, tiny_model_dir):
+    """vLLM's --enable-expert-parallel: the experts split over the tp devices themselves (over ep x tp with an ep
+    axis), each expert's rows whole on its device; attention and Qwen2-MoE's shared expert split by tp as in a
+    dense model."""
+    folder, _ = tiny_model_dir(case)
+    ids = np.random.default_rng(4).integers(0, 1024, (2, 9))
+    single = _logits(load_model(folder, dtype="float32", attn_impl="reference"), ids)
+    lm = load_model(folder, dtype="float32", attn_impl="reference", tensor_parallel_size=tp, expert_parallel_size=ep,
+                    enable_expert_parallel=True)
+    cfg = lm.config
+    mlp = lm.model.layers.layer.mlp
+    gate_up, down = mlp.experts.gate_up_proj.weight[...], mlp.experts.down_proj.weight[...]
+    assert len(gate_up.sharding.device_set) == tp * ep
+    assert gate_up.addressable_shards[0].data.shape == (  # [layers, experts, 2 * mlp, hidden]
+        cfg.num_layers, cfg.num_experts // (tp * ep), 2 * cfg.moe_intermediate_size, cfg.hidden_size)
+    assert down.addressable_shards[0].data.shape == (
+        cfg.num_layers, cfg.num_experts // (tp * ep), cfg.hidden_size, cfg.moe_intermediate_size)
+    qkv = lm.model.layers.layer.self_attn.qkv_proj.weight[...]
+    assert qkv.addressable_shards[0].data.shape[1] == (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim // tp
+    if cfg.shared_expert_intermediate_size:
+        shared = mlp.shared_expert.gate_up_proj.weight[...]  # [layers, 2 * shared, hidden]
+        assert shared.addressable_shards[0].data.shape[1] == 2 * cfg.shared_expert_intermediate_size // tp
+    for got, want in zip(_logits(lm, ids), single, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_enable_expert_parallel_needs_experts_the_devices_divide(tiny_model_dir):
+    with pytest.raises(ConfigError, match="enable_expert_parallel needs a mixture-of-experts model"):
+        load_model(tiny_model_dir("qwen2_tp")[0], dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    cfg = bundled_model_config("Qwen/Qwen3-30B-A3B")  # 128 experts
+    assert logical_rules(cfg, 4, experts_over_tp=True)["expert"] == "tp"
+    assert logical_rules(cfg, 4, 2, experts_over_tp=True)["expert"] == ("ep", "tp")
+    with pytest.raises(ConfigError, match=r"splits the experts over 4 devices, which must divide the number of "
+                                          r"experts \(10\)"):
+        logical_rules(dataclasses.replace(cfg, num_experts=10), 4, experts_over_tp=True)
+
+
 def test_expert_parallel_needs_experts_it_divides(tiny_model_dir):
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
         load_model(tiny_model_dir("qwen2_tp")[0], dtype="float32", expert_parallel_size=2)
@@ -167,6 +211,7 @@ def test_an_expert_parallel_engine_generates_as_one_device(tiny_model_dir, compi
                    max_model_len=64, page_size=4, compilation_cache_dir=compile_cache_dir)
     prompts = [{"prompt_token_ids": np.random.default_rng(n).integers(3, 1024, n).tolist()} for n in (7, 19)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    tokens = [[o.outputs[0].token_ids for o in LLM(str(folder), expert_parallel_size=ep, **options).generate(
-        prompts, params, use_tqdm=False)] for ep in (1, 2)]
-    assert tokens[0] == tokens[1]
+    parallel = ({}, {"expert_parallel_size": 2}, {"tensor_parallel_size": 2, "enable_expert_parallel": True})
+    tokens = [[o.outputs[0].token_ids for o in LLM(str(folder), **p, **options).generate(
+        prompts, params, use_tqdm=False)] for p in parallel]
+    assert tokens[0] == tokens[1] == tokens[2]

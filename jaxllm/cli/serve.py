@@ -130,6 +130,8 @@ FLAGS = [
          int),
     Flag(("--expert-parallel-size", "-ep"), "JAXLLM_EXPERT_PARALLEL_SIZE", "parallel", "groups of "
          "tensor-parallel devices a mixture of experts' experts are split over", int),
+    Flag(("--enable-expert-parallel",), "JAXLLM_ENABLE_EXPERT_PARALLEL", "parallel", "split a mixture of experts' "
+         "experts whole over the tensor-parallel devices (attention stays split by heads)", None, _bool),
     Flag(("--data-parallel-size", "-dp"), "JAXLLM_DATA_PARALLEL_SIZE", "parallel", "engine cores, each with its own "
          "share of the devices and its own copy of the model", int),
     Flag(("--nnodes",), "JAXLLM_NUM_HOSTS", "parallel", "hosts one model spans (multi-host)", int),

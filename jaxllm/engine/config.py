@@ -75,6 +75,9 @@ class EngineConfig:
     # A mixture of experts' experts split over this many groups of tensor_parallel_size devices (the rest of the
     # model the same on every group): tensor_parallel_size x expert_parallel_size devices in all
     expert_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: whole experts split over the tensor-parallel devices themselves (and over
+    # the expert_parallel_size groups), attention still split by heads (`jaxllm.sharding`)
+    enable_expert_parallel: bool = False
     # Multi-host (one model over several hosts' devices; see jaxllm.engine.multihost): every host runs with the same
     # config except host_rank; rank 0 schedules and serves, the others follow its steps.
     num_hosts: int = 1

@@ -84,6 +84,7 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     if from_config:
         loaded = load_model(config.model, dtype=config.dtype, tensor_parallel_size=config.tensor_parallel_size,
                             expert_parallel_size=config.expert_parallel_size,
+                            enable_expert_parallel=config.enable_expert_parallel,
                             attn_impl=config.attn_impl, matmul_impl=config.matmul_impl,
                             kv_cache_dtype=config.kv_cache_dtype, quantization=config.quantization,
                             revision=config.revision, download_dir=config.download_dir)

@@ -13,7 +13,7 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ConfigError, ModelConfig
 from jaxllm.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from jaxllm.kernels import choose_kernels
 from jaxllm.loading.checkpoint import is_orbax_checkpoint, load_checkpoint_config, restore_checkpoint
@@ -93,11 +93,14 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
                attn_impl: str = "auto", matmul_impl: str = "auto", mesh: Mesh | None = None,
                load_tokenizer_too: bool = True, kv_cache_dtype: str | None = None,
                quantization: str | None = "auto", revision: str | None = None,
-               download_dir: str | Path | None = None, expert_parallel_size: int = 1) -> LoadedModel:
+               download_dir: str | Path | None = None, expert_parallel_size: int = 1,
+               enable_expert_parallel: bool = False) -> LoadedModel:
     """path: a folder, a GGUF file, a hub id (`resolve_model`; revision and download_dir are for hub ids), or None
     for the embedded model. quantization: "auto" (a GGUF file's weights stay in their own quantization, anything
     else as stored), "gguf" (the same, for GGUF files only), "int8" (per-channel int8 of every linear weight and
-    the embedding, made at load), "none" (float weights of `dtype`)."""
+    the embedding, made at load), "none" (float weights of `dtype`). expert_parallel_size: a mixture of experts'
+    experts over so many groups of `tensor_parallel_size` devices; enable_expert_parallel: whole experts over the
+    tensor-parallel devices themselves, as vLLM's flag (`jaxllm.sharding`)."""
     quantization = _check_quantization(quantization)
     resolved = resolve_model(path, revision=revision, download_dir=download_dir)
     p = resolved.path
@@ -113,18 +116,19 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
     if p.is_file():
         g = GGUFFile(p)
         cfg = gguf_config(g)
-        check_tensor_parallel(cfg, tp, ep)
+        check_tensor_parallel(cfg, tp, ep, enable_expert_parallel)
         plan = gguf_quant_plan(g) if quantization in ("auto", "gguf") else \
             int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, gguf_tensors(g, cfg, quantized=quantization in ("auto", "gguf")), dtype=dt,
-                               kernels=kernels, mesh=mesh, quantization=plan, read_stats=read)
+                               kernels=kernels, mesh=mesh, quantization=plan, read_stats=read,
+                               experts_over_tp=enable_expert_parallel)
         if load_tokenizer_too:
             tokenizer = tokenizer_from_gguf(g.metadata, str(p))
     elif is_orbax_checkpoint(p):
         if quantization != "auto":
             raise LoadError(f"{p}: an orbax checkpoint is restored as it was saved (weights quantized or not), not "
                             f"with quantization={quantization!r}")
-        model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh)
+        model = restore_checkpoint(p, dtype=dt, kernels=kernels, mesh=mesh, experts_over_tp=enable_expert_parallel)
         cfg = model.config
     elif is_encoder_folder(p):
         if mesh.size > 1 or quantization not in ("auto", "none"):
@@ -139,10 +143,12 @@ def load_model(path: str | Path | None = None, *, dtype: str | None = "auto", te
         cfg, plan = model.config, {}
     else:
         cfg = load_hf_config(p)
-        check_tensor_parallel(cfg, tp, ep)
+        check_tensor_parallel(cfg, tp, ep, enable_expert_parallel)
         plan = int8_plan(cfg.tie_word_embeddings) if quantization == "int8" else {}
         model = assemble_model(cfg, hf_tensors(p), dtype=dt, kernels=kernels, mesh=mesh, quantization=plan,
-                               read_stats=read)
+                               read_stats=read, experts_over_tp=enable_expert_parallel)
+    if enable_expert_parallel and not getattr(cfg, "num_experts", 0):  # (an encoder's or a VL model's config)
+        raise ConfigError("enable_expert_parallel needs a mixture-of-experts model")
     if isinstance(model, LlamaForCausalLM):
         # GGUF and HF loads arrive stacked, an orbax restore layer by layer: as the layer loop runs them from here
         model.arrange_layers()

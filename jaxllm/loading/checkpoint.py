@@ -74,7 +74,8 @@ def load_checkpoint_config(path: Path) -> ModelConfig:
     return ModelConfig(**raw)
 
 
-def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh) -> LlamaForCausalLM:
+def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh, experts_over_tp: bool = False
+                       ) -> LlamaForCausalLM:
     path = Path(path).absolute()
     if not is_orbax_checkpoint(path):
         raise LoadError(f"{path}: not a jaxllm orbax checkpoint (no {CONFIG_FILE} and params/)")
@@ -83,7 +84,7 @@ def restore_checkpoint(path: str | Path, *, dtype, kernels: Kernels, mesh: Mesh)
         if (path / QUANT_FILE).is_file() else {}
     # saved layer by layer
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, stacked=False, quantization=plan))
-    rules = mesh_rules(cfg, mesh)
+    rules = mesh_rules(cfg, mesh, experts_over_tp)
     target = nnx.to_pure_dict(jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype,
                                        sharding=named_sharding(mesh, rules, v.get_metadata()["axes"])),

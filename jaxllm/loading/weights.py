@@ -200,6 +200,7 @@ def assemble_model(
     mesh: Mesh,
     quantization: QuantPlan | None = None,
     read_stats: ReadStats | None = None,
+    experts_over_tp: bool = False,
 ) -> LlamaForCausalLM:
     """tensors: (hf_name, load() -> host array or `HostQuantized`, source file for messages); a load with a
     ``windowed`` attribute takes an optional tuple of slices and reads only that part of its tensor. The layers'
@@ -209,14 +210,15 @@ def assemble_model(
     source allows reads, only the region its own devices hold. quantization: the weights kept quantized
     (`jaxllm.loading.quantize`): each tensor of such a weight is converted to its format on the loader threads (a
     GGUF block repacked, a float tensor made int8; read whole: a quantization's blocks and per-row scales span
-    the input axis); every other tensor arrives as float. read_stats: counts the bytes read."""
+    the input axis); every other tensor arrives as float. read_stats: counts the bytes read. experts_over_tp: a
+    mixture of experts' experts placed whole over the ``tp`` devices (`jaxllm.sharding`)."""
     plan = dict(quantization or {})
     stats = read_stats or ReadStats()
     spec = architecture_spec(cfg.architecture)
     graphdef, state = nnx.split(abstract_model(cfg, dtype, kernels, quantization=plan))
     variables = {path: var for path, var in nnx.to_flat_state(state)}
     order = {path: i for i, path in enumerate(variables)}
-    rules = mesh_rules(cfg, mesh)
+    rules = mesh_rules(cfg, mesh, experts_over_tp)
     shardings = {path: named_sharding(mesh, rules, var.get_metadata()["axes"]) for path, var in variables.items()}
     regions = {path: local_region(tuple(var.get_value().shape), shardings[path]) for path, var in variables.items()}
 

@@ -84,10 +84,11 @@ class Experts(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs | None, quant: dict | None = None):
         """quant: the model's quantization plan (`experts.gate_up_proj`, `experts.down_proj` its roles here)."""
         n, e, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-        quant = quant or {}
-        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "mlp"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias,
+        quant, bias = quant or {}, cfg.moe_bias
+        # "expert_mlp": an expert's rows, split over tp as a dense MLP's, or whole (`jaxllm.sharding`)
+        self.gate_up_proj = ExpertLinear(n, e, 2 * f, ("embed", "expert_mlp"), dtype=dtype, rngs=rngs, bias=bias,
                                          quant=quant.get("experts.gate_up_proj"))
-        self.down_proj = ExpertLinear(n, f, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, bias=cfg.moe_bias,
+        self.down_proj = ExpertLinear(n, f, e, ("expert_mlp", "embed"), dtype=dtype, rngs=rngs, bias=bias,
                                       quant=quant.get("experts.down_proj"))
 
 

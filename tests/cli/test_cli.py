@@ -25,7 +25,8 @@ def test_flags_map_onto_the_settings_they_name():
                  "bfloat16", "--no-enable-prefix-caching", "--kv-cache-dtype", "float8_e4m3fn", "--api-key", "k",
                  "--limit-mm-per-prompt", '{"image": 2}', "--allowed-origins", '["https://a.example", "https://b"]',
                  "--gpu-memory-utilization", "0.8", "--max-num-seqs", "32", "--seed", "7", "--block-size", "32",
-                 "--port", "9000", "--served-model-name", "m", "--revision", "v1", "--uvicorn-log-level", "debug")
+                 "--port", "9000", "--served-model-name", "m", "--revision", "v1", "--uvicorn-log-level", "debug",
+                 "--enable-expert-parallel")
     args.model = args.model_tag
     env, address = environment(args, {"JAXLLM_MAX_NUM_SEQS": "8", "JAXLLM_BIND": "127.0.0.1:8000"})
     assert address is None
@@ -37,6 +38,7 @@ def test_flags_map_onto_the_settings_they_name():
     assert (e.enable_prefix_caching, e.kv_cache_dtype, e.limit_mm_per_prompt, e.kv_memory_fraction) == (
         False, "float8_e4m3fn", 2, 0.8)
     assert (e.max_num_seqs, e.seed, e.page_size) == (32, 7, 32)  # the flag won over JAXLLM_MAX_NUM_SEQS=8
+    assert e.enable_expert_parallel and env["JAXLLM_ENABLE_EXPERT_PARALLEL"] == "true"
     assert s.api_key == "k" and s.allowed_origins == ("https://a.example", "https://b")
     assert env["JAXLLM_LOG_LEVEL"] == "debug" and env["JAXLLM_DATA_PARALLEL_SIZE"] == "1"
 

@@ -30,7 +30,7 @@ NATIVE_CALL = {"tpu": "tpu_custom_call", "cuda": "__gpu$xla.gpu.triton"}
 
 
 def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=None,
-            quantization=None) -> tuple[ModelRunner, list[str]]:
+            quantization=None, experts_over_tp: bool = False) -> tuple[ModelRunner, list[str]]:
     engine = EngineConfig.from_preset(preset)
     kernels = choose_kernels("auto", engine.matmul_impl, platform=platform, dtype=jnp.bfloat16, interpret=False,
                              kv_dtype=kv_dtype, tensor_parallel_size=engine.tensor_parallel_size, mesh=mesh)
@@ -38,7 +38,7 @@ def _runner(cfg: ModelConfig, preset: str, platform: str, mesh=None, kv_dtype=No
                              quantization=quantization)
     model.stack_layers()
     if mesh is not None:
-        shard_abstract(model, mesh)
+        shard_abstract(model, mesh, experts_over_tp)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
     runner = ModelRunner(model, num_pages=16, page_size=engine.page_size, max_model_len=engine.max_model_len,
                          buckets=engine.buckets(), eos_token_ids=(128009,), mesh=mesh, kv_cache_dtype=kv_dtype)
@@ -190,3 +190,24 @@ def test_the_qwen3_moe_ep8_step_exports_for_tpu_with_the_experts_split():
     assert spec("['experts']['gate_up_proj']['weight'") == '[{}, {"ep"}, {"tp"}, {}]'
     assert spec("['experts']['down_proj']['weight'") == '[{}, {"ep"}, {}, {"tp"}]'
     assert "ep" not in spec("'qkv_proj']['weight'") and "ep" not in spec("['gate']['weight'")
+
+
+@pytest.mark.skipif(len(jax.devices()) < 4, reason="needs --xla_force_host_platform_device_count=4")
+def test_the_qwen3_moe_step_exports_for_tpu_with_whole_experts_over_the_tp_devices():
+    """vLLM's --enable-expert-parallel on 4 devices: the 128 experts 32 a device, each expert's rows whole;
+    attention split by heads over the same devices."""
+    mesh = make_mesh(4)
+    runner, paths = _runner(QWEN3_MOE, "llama-3.1-8b-h100", "tpu", mesh, experts_over_tp=True)
+    exported = _export(runner, runner.buckets[1], "tpu")
+    module = exported.mlir_module()
+    assert exported.nr_devices == 4 and NATIVE_CALL["tpu"] in module
+    shardings = dict(zip(paths, _arg_shardings(module), strict=False))
+
+    def spec(fragment: str) -> str:
+        (match,) = [s for p, s in shardings.items() if fragment in p]
+        return match
+
+    # [layers, experts, out, in]
+    assert spec("['experts']['gate_up_proj']['weight'") == '[{}, {"tp"}, {}, {}]'
+    assert spec("['experts']['down_proj']['weight'") == '[{}, {"tp"}, {}, {}]'
+    assert spec("'qkv_proj']['weight'") == '[{}, {"tp"}, {}]'
