@@ -5,6 +5,7 @@ a Q8_0 Qwen3-MoE file (experts kept quantized, multiplied by the grouped kernel)
 up to Q8_0's rounding. (llama.cpp's llama-server gave the same greedy tokens on the float32 Qwen3-MoE file: checked
 by hand, the suite does not build llama.cpp.)"""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -43,3 +44,20 @@ def test_q8_0_qwen3_moe_gguf_greedy_within_quantization(tiny_model_dir, tmp_path
     assert plan["qkv_proj"].name == plan["experts.gate_up_proj"].name == plan["experts.down_proj"].name == "q8_0"
     rng = np.random.default_rng(5)
     assert_greedy_within(llm, hf_model, [rng.integers(3, 1024, n).tolist() for n in (8, 13, 21)])
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs --xla_force_host_platform_device_count=2")
+def test_q8_0_experts_split_whole_over_two_devices_as_by_rows(tiny_model_dir, tmp_path):
+    """--enable-expert-parallel on a quantized file: the experts' blocks split whole over the devices give the
+    logits of each expert's rows split over them (the same kernels on both)."""
+    from tests.test_sharding import _logits
+
+    _, hf_model = tiny_model_dir("qwen3_moe")
+    path = write_moe_gguf(hf_model, tmp_path / "moe-q8_0.gguf", T.Q8_0)
+    ids = np.random.default_rng(3).integers(0, 1024, (2, 9))
+    rows = load_model(path, dtype="float32", tensor_parallel_size=2)
+    whole = load_model(path, dtype="float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    data = whole.model.layers.layer.mlp.experts.down_proj.weight[...]  # [layers, experts, out, in] int8
+    assert data.addressable_shards[0].data.shape[1:] == (4, *data.shape[2:])
+    for got, want in zip(_logits(whole, ids), _logits(rows, ids), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
