@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 # KV cache element types: the model's dtype ("auto"), a narrower float, or float8 (values stored unscaled, as vLLM
@@ -11,6 +12,9 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 KV_CACHE_DTYPES = {**DTYPES, "float8_e4m3fn": jnp.float8_e4m3fn, "float8_e5m2": jnp.float8_e5m2}
 # LoRA adapter tables (vLLM's lora_dtype): kernels widen 16-bit tables to float32 as they read them
 LORA_DTYPES = DTYPES
+# MXFP4's 4-bit E2M1 values (sign, two exponent bits, one mantissa bit: the OCP MX spec's FP4), by nibble value
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+                       np.float32)
 
 
 def resolve_dtype(name: str | None = "auto", backend: str | None = None):

@@ -258,3 +258,58 @@ def write_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
                 w.add_tensor(gname, np.ascontiguousarray(v))
     _finish(w)
     return path
+
+
+def write_gpt_oss_gguf(hf_model, path: Path, expert_type: T = T.F32) -> Path:
+    """A "gpt-oss" GGUF as llama.cpp's converter writes one: each layer's experts split per projection and
+    transposed to [experts, out, in] (gate and up from the interleaved columns of `gate_up_proj`), each with its
+    bias, the router in `ffn_gate_inp`, the sinks in `attn_sinks`, the second norm in `post_attention_norm`, the
+    window and YaRN in the metadata (no SwiGLU limit: llama.cpp fixes it at 7.0). `expert_type` MXFP4: the experts'
+    weights in GGML's MXFP4 blocks (the released models' type), the rest float32."""
+    cfg = hf_model.config
+    w = _writer(path, "gpt-oss", cfg)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(cfg.num_local_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    _add_vocab(w, cfg.vocab_size, spm=True)
+    names = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
+    for name, tensor in hf_model.state_dict().items():
+        a = tensor.float().numpy()
+        parts = name.split(".")
+        if parts[1] != "layers":
+            out = {{"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                    "lm_head.weight": "output.weight"}[name]: a}
+        else:
+            blk = f"blk.{parts[2]}"
+            module = ".".join(parts[3:])
+            if module == "self_attn.sinks":
+                out = {f"{blk}.attn_sinks.weight": a}
+            elif module == "mlp.experts.gate_up_proj":  # [experts, in, 2 * mlp], gate and up columns interleaved
+                t = np.swapaxes(a, -1, -2)
+                out = {f"{blk}.ffn_gate_exps.weight": t[:, 0::2], f"{blk}.ffn_up_exps.weight": t[:, 1::2]}
+            elif module == "mlp.experts.gate_up_proj_bias":
+                out = {f"{blk}.ffn_gate_exps.bias": a[:, 0::2], f"{blk}.ffn_up_exps.bias": a[:, 1::2]}
+            elif module == "mlp.experts.down_proj":  # [experts, mlp, hidden]
+                out = {f"{blk}.ffn_down_exps.weight": np.swapaxes(a, -1, -2)}
+            elif module == "mlp.experts.down_proj_bias":
+                out = {f"{blk}.ffn_down_exps.bias": a}
+            else:
+                out = {f"{blk}.{names[module.rpartition('.')[0]]}.{parts[-1]}": a}
+        for gname, v in out.items():
+            v = np.ascontiguousarray(v, np.float32)
+            if expert_type != T.F32 and "_exps.weight" in gname:
+                w.add_tensor(gname, quants.quantize(v, expert_type), raw_dtype=expert_type)
+            else:
+                w.add_tensor(gname, v)
+    _finish(w)
+    return path

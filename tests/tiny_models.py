@@ -60,14 +60,15 @@ ARCHITECTURE_CASES = {
 PARITY_CASES = [c for c in ARCHITECTURE_CASES if c != "qwen2_tp"]
 
 
-def build_tiny_hf_model(case: str, folder: Path):
-    """Saves the model as safetensors (split into two shards with an index) and returns (folder, hf_model)."""
+def build_tiny_hf_model(case: str, folder: Path, overrides: dict | None = None):
+    """Saves the model as safetensors (split into two shards with an index) and returns (folder, hf_model).
+    overrides: config fields over the case's."""
     import torch
     import transformers
 
     config_cls, extra = ARCHITECTURE_CASES[case]
     torch.manual_seed(sum(map(ord, case)))
-    config = getattr(transformers, config_cls)(**{**COMMON, **extra})
+    config = getattr(transformers, config_cls)(**{**COMMON, **extra, **(overrides or {})})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # the default 0.02 init gives near-uniform logits; make them discriminative
         for p in model.parameters():

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from jaxllm.dtypes import E2M1_VALUES
+
 CHUNK_BLOCKS = 8192  # blocks decoded at a time: 256 K values, 1 MB of float32 output
 
 
@@ -38,7 +40,13 @@ def _q4_1(blocks: np.ndarray, out: np.ndarray) -> None:  # d, m (f16), 16 bytes 
     out += _scale(blocks, 2)
 
 
-_DECODERS = {GGMLQuantizationType.Q8_0: _q8_0, GGMLQuantizationType.Q4_0: _q4_0, GGMLQuantizationType.Q4_1: _q4_1}
+def _mxfp4(blocks: np.ndarray, out: np.ndarray) -> None:  # e (E8M0: 2^(e - 127)), 16 bytes of E2M1 nibbles
+    np.take(E2M1_VALUES, _nibbles(blocks[:, 1:]), out=out)
+    np.ldexp(out, blocks[:, :1].astype(np.int32) - 127, out=out)
+
+
+_DECODERS = {GGMLQuantizationType.Q8_0: _q8_0, GGMLQuantizationType.Q4_0: _q4_0, GGMLQuantizationType.Q4_1: _q4_1,
+             GGMLQuantizationType.MXFP4: _mxfp4}
 
 
 def dequantize(raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:

@@ -24,7 +24,7 @@ from jaxllm.loading.quantize import HostQuantized
 SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K,
+    GGMLQuantizationType.Q6_K, GGMLQuantizationType.MXFP4,
 })
 
 # value type -> struct format (little-endian); numpy reads arrays of the same formats.

@@ -61,20 +61,26 @@ def gemma_gguf_config(meta: dict[str, Any], arch: str, fields: dict[str, Any], *
     and the attention scale (`big_layers`: the layer count of the model scaled by hidden / heads); each family
     adds its own (Gemma 2's attention soft cap, the windowed layers' RoPE base)."""
     layers, window = fields["num_layers"], fields["sliding_window"] or 0
-    flags = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
-    if np.ndim(flags):  # one flag per layer
-        local = [bool(f) for f in flags]
-        if len(local) != layers:
-            raise ConfigError(f"attention.sliding_window_pattern has {len(local)} flags for {layers} layers")
-    else:  # every n-th layer global (0: none)
-        n = int(flags)
-        local = [n == 0 or i % n < n - 1 for i in range(layers)]
+    local = gguf_windowed_layers(meta, arch, layers, pattern)
     heads, head_dim = fields["num_heads"], fields["head_dim"]
     return dict(
         sliding_window=None, layer_windows=tuple(window if is_local else 0 for is_local in local),
         rms_norm_offset=0.0, sandwich_norms=True, embed_scale=True, activation="gelu_tanh",
         attn_scale=(fields["hidden_size"] / heads if layers == big_layers else head_dim) ** -0.5,
         final_soft_cap=meta.get(f"{arch}.final_logit_softcapping") or None)
+
+
+def gguf_windowed_layers(meta: dict[str, Any], arch: str, layers: int, pattern: int) -> list[bool]:
+    """Which layers a GGUF file's metadata windows, as llama.cpp reads them: `attention.sliding_window_pattern`,
+    one flag per layer or an int n (every n-th layer global, 0: none), else the architecture's `pattern`."""
+    flags = meta.get(f"{arch}.attention.sliding_window_pattern", pattern)
+    if np.ndim(flags):  # one flag per layer
+        local = [bool(f) for f in flags]
+        if len(local) != layers:
+            raise ConfigError(f"attention.sliding_window_pattern has {len(local)} flags for {layers} layers")
+        return local
+    n = int(flags)
+    return [n == 0 or i % n < n - 1 for i in range(layers)]
 
 
 def read_gguf(meta: dict[str, Any], arch: str, fields: dict[str, Any]) -> dict[str, Any]:

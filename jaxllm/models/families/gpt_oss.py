@@ -9,7 +9,14 @@ Its checkpoints hold each layer's experts in one tensor per projection, laid out
 `*_bias` tensors beside them, and name the router `mlp.router`. The released checkpoints store the experts' weights
 in MXFP4 (`quantization_config.quant_method` "mxfp4": `*_blocks`, 16 bytes of 32 4-bit E2M1 values low nibble first,
 and `*_scales`, one E8M0 power-of-two exponent per 32 values, both [experts, out, in / 32, ...]): they are
-dequantized as they load (`mxfp4_dequantize`), and the experts run in the model's dtype."""
+dequantized as they load (`mxfp4_dequantize`), and the experts run in the model's dtype.
+
+Its GGUF files (llama.cpp's "gpt-oss") split each layer's experts per projection as the other MoE families' files
+do (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps` [experts, out, in], each with its bias), the sinks in
+`attn_sinks`, the second norm in `post_attention_norm`; the released models' experts are MXFP4 there too (GGML type
+MXFP4: per 32 values an E8M0 byte, then 16 bytes of E2M1 nibbles, values j and j + 16 in byte j), decoded as they
+load (`jaxllm.loading.dequantize`). The files hold no SwiGLU limit or alpha: llama.cpp's graph fixes them at 7.0
+and 1.702, as the released configs have them, and so does this reader."""
 
 from __future__ import annotations
 
@@ -19,14 +26,13 @@ from typing import Any
 import numpy as np
 
 from jaxllm.config import ConfigError, ModelConfig
-from jaxllm.models.families.gemma2 import layer_windows
-from jaxllm.models.families.moe_config import MOE_QUANTIZABLE, moe_config
+from jaxllm.dtypes import E2M1_VALUES
+from jaxllm.models.families.gemma2 import gguf_windowed_layers, layer_windows
+from jaxllm.models.families.moe_config import MOE_GGUF_LAYER_NAMES, MOE_QUANTIZABLE, moe_config, moe_gguf_config
 from jaxllm.models.family import FamilySpec
 from jaxllm.models.moe import MoE
 
-# E2M1: sign, two exponent bits, one mantissa bit (the OCP MX spec's FP4), by nibble value
-FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
-                      np.float32)
+FP4_VALUES = E2M1_VALUES
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
@@ -40,6 +46,23 @@ def read_config(hf: dict[str, Any], spec: FamilySpec) -> ModelConfig:
                       layer_windows=layer_windows(hf, 2), attention_sinks=True, moe_bias=True,
                       swiglu_limit=None if limit is None else float(limit),
                       swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
+
+
+LLAMA_CPP_SWIGLU = (7.0, 1.702)  # (limit, alpha): llama.cpp's graph fixes them for "gpt-oss" files
+
+
+def read_gguf(meta: dict[str, Any], arch: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """A "gpt-oss" file's metadata as llama.cpp reads it: every other layer windowed, the first one first (unless
+    `attention.sliding_window_pattern` says otherwise), the router's softmax over its top-k, the SwiGLU constants
+    of llama.cpp's graph; its YaRN correction range rounded outward (llama.cpp's, `RopeConfig.truncate`)."""
+    window = fields["sliding_window"]
+    windowed = gguf_windowed_layers(meta, arch, fields["num_layers"], 2)
+    if window is None and any(windowed):
+        raise ConfigError(f"metadata {arch}.attention.sliding_window is missing")
+    limit, alpha = LLAMA_CPP_SWIGLU
+    return dict(moe_gguf_config(meta, arch, fields, norm_topk_prob=True), sliding_window=None,
+                layer_windows=tuple(window if w else 0 for w in windowed), attention_sinks=True, moe_bias=True,
+                swiglu_limit=limit, swiglu_alpha=alpha)
 
 
 def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
@@ -73,6 +96,8 @@ def adapt_tensors(tensors: Iterable[tuple[str, Callable, str]], cfg: ModelConfig
     A load is read whole (no windowed reads for another host's share: these tensors are transposed or decoded)."""
     pending: dict[str, dict[str, tuple[Callable, str]]] = {}  # an MXFP4 weight's half seen so far
     for name, load, source in tensors:
+        if name.endswith(".self_attn.sinks.weight"):  # a GGUF file's `attn_sinks.weight`
+            name = name.removesuffix(".weight")
         head, _, last = name.rpartition(".")
         if not head.endswith(".experts"):
             yield name, load, source
@@ -98,5 +123,8 @@ def adapt_tensors(tensors: Iterable[tuple[str, Callable, str]], cfg: ModelConfig
         raise LoadError(f"{source}: MXFP4 weight {weight!r} has no {weight.rpartition('.')[2]}_{missing} tensor")
 
 
-SPEC = FamilySpec("GptOssForCausalLM", attention_bias_default=True, config_reader=read_config, mlp=MoE,
-                  quantizable=MOE_QUANTIZABLE, hf_module_names={"router": "gate"}, adapt_tensors=adapt_tensors)
+SPEC = FamilySpec("GptOssForCausalLM", gguf_arch="gpt-oss", attention_bias_default=True, config_reader=read_config,
+                  mlp=MoE, quantizable=MOE_QUANTIZABLE, hf_module_names={"router": "gate"}, adapt_tensors=adapt_tensors,
+                  gguf_config_reader=read_gguf,
+                  gguf_layer_names={**MOE_GGUF_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                                    "attn_sinks": "self_attn.sinks"})
