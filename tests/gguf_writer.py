@@ -281,6 +281,8 @@ def write_gpt_oss_gguf(hf_model, path: Path, expert_type: T = T.F32) -> Path:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(rope["factor"])
         w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
     _add_vocab(w, cfg.vocab_size, spm=True)
     names = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm", "mlp.router": "ffn_gate_inp"}
     for name, tensor in hf_model.state_dict().items():

@@ -59,6 +59,9 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
         rope_kwargs.update(rope_type=scaling, factor=float(get("rope.scaling.factor")))
         if scaling == "yarn":
             rope_kwargs["original_max_position_embeddings"] = int(get("rope.scaling.original_context_length"))
+            for beta in ("beta_fast", "beta_slow"):  # (llama.cpp's defaults where absent: RopeConfig's)
+                if (value := meta.get(f"{arch}.rope.scaling.yarn_{beta}")) is not None:
+                    rope_kwargs[beta] = float(value)
     elif scaling != "none":
         raise LoadError(f"{g.path}: unsupported rope scaling type {scaling!r}")
     head_dim = int(get("attention.key_length", hidden // heads))

@@ -2,7 +2,7 @@
 biases, sinks, the second norm under its llama.cpp name, the window and YaRN in the metadata), float32 or with
 MXFP4 experts (the released files' type): the logits of the transformers model with the same weights. The model
 is the tiny GPT-OSS with llama.cpp's fixed SwiGLU limit (7.0; the files carry none) and YaRN's correction range
-rounded outward (llama.cpp's)."""
+rounded outward (llama.cpp's), its range (beta_fast, beta_slow) other than the defaults, as the file says."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +24,8 @@ PROMPTS = [[5, 900, 17, 33, 250, 4, 4, 61, 700, 12, 9], [44, 3, 1000, 8, 76, 19,
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    rope = {**ARCHITECTURE_CASES["gpt_oss"][1]["rope_parameters"], "truncate": True}
+    rope = {**ARCHITECTURE_CASES["gpt_oss"][1]["rope_parameters"], "truncate": True, "beta_fast": 16.0,
+            "beta_slow": 2.0}  # (YaRN's correction range from the file's metadata, not the defaults)
     _, model = build_tiny_hf_model("gpt_oss", tmp_path_factory.mktemp("gpt_oss_llamacpp"),
                                    {"swiglu_limit": 7.0, "rope_parameters": rope})
     return model
@@ -41,7 +42,7 @@ def test_a_float32_file_matches_transformers(hf_model, tmp_path):
     assert cfg.architecture == "GptOssForCausalLM" and cfg.attention_sinks and cfg.moe_bias
     assert cfg.layer_windows == (6, 0, 6) and (cfg.swiglu_limit, cfg.swiglu_alpha) == (7.0, 1.702)
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob) == (8, 3, True)
-    assert cfg.rope.rope_type == "yarn" and cfg.rope.truncate
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.truncate and (cfg.rope.beta_fast, cfg.rope.beta_slow) == (16, 2)
     for got, want in zip(_logits(lm), _hf_logits(hf_model, PROMPTS), strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
