@@ -41,8 +41,9 @@ def make_mesh(tensor_parallel_size: int = 1, devices: list | None = None, expert
 
 
 def check_tensor_parallel(cfg: ModelConfig, tp: int, ep: int = 1, experts_over_tp: bool = False) -> None:
+    expert_rows = 0 if experts_over_tp else cfg.moe_intermediate_size  # (whole experts: any width)
     for name, n in (("num_attention_heads", cfg.num_heads), ("num_key_value_heads", cfg.num_kv_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("moe_intermediate_size", cfg.moe_intermediate_size),
+                    ("intermediate_size", cfg.intermediate_size), ("moe_intermediate_size", expert_rows),
                     ("shared_expert_intermediate_size", cfg.shared_expert_intermediate_size)):
         if n % tp:
             raise ConfigError(f"tensor_parallel_size={tp} must divide {name}={n}")

@@ -189,6 +189,10 @@ def test_enable_expert_parallel_needs_experts_the_devices_divide(tiny_model_dir)
     cfg = bundled_model_config("Qwen/Qwen3-30B-A3B")  # 128 experts
     assert logical_rules(cfg, 4, experts_over_tp=True)["expert"] == "tp"
     assert logical_rules(cfg, 4, 2, experts_over_tp=True)["expert"] == ("ep", "tp")
+    odd = dataclasses.replace(cfg, moe_intermediate_size=770)  # whole experts: their width is not split
+    assert logical_rules(odd, 4, experts_over_tp=True)["expert_mlp"] is None
+    with pytest.raises(ConfigError, match="tensor_parallel_size=4 must divide moe_intermediate_size=770"):
+        logical_rules(odd, 4)
     with pytest.raises(ConfigError, match=r"splits the experts over 4 devices, which must divide the number of "
                                           r"experts \(10\)"):
         logical_rules(dataclasses.replace(cfg, num_experts=10), 4, experts_over_tp=True)
