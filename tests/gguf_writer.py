@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import gguf
@@ -122,7 +123,9 @@ def write_synthetic_llama_gguf(path: Path, *, layers: int, hidden: int, ffn: int
 
 def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: bool = False) -> Path:
     """A phi3 GGUF as llama.cpp's converter writes one: q/k/v stacked in `attn_qkv` and gate/up in `ffn_up`
-    (Hugging Face's row order, no permutation), the rotary dimensions and the sliding window in the metadata.
+    (Hugging Face's row order, no permutation), the rotary dimensions and the sliding window in the metadata;
+    LongRoPE's factor sets as the tensors `rope_factors_long` / `rope_factors_short`, with the original context
+    length and the attention factor (sqrt(1 + ln(scale) / ln(original))) in the metadata.
     spm_vocab: a SentencePiece vocabulary as real Phi-3 files have (llama.cpp loads no BPE vocabulary without merges);
     else a byte-level BPE one without merges, as the llama files of these tests."""
     cfg = hf_model.config
@@ -133,6 +136,14 @@ def write_phi3_gguf(hf_model, path: Path, weight_type: T = T.F32, spm_vocab: boo
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if cfg.sliding_window:
         w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("long_factor"):
+        original = rope.get("original_max_position_embeddings") or cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
     _add_vocab(w, cfg.vocab_size, spm_vocab)
     _add_hf_tensors(w, hf_model, {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up", **HF_TO_GGUF},
                     weight_type)

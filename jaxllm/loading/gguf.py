@@ -70,6 +70,8 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
         rope_kwargs["partial_rotary_factor"] = int(rotary) / head_dim
     if "rope_freqs.weight" in g.tensors:
         rope_kwargs["freq_factors"] = tuple(float(x) for x in g.load("rope_freqs.weight"))
+    if LONGROPE_TENSORS[0] in g.tensors or LONGROPE_TENSORS[1] in g.tensors:
+        rope_kwargs.update(_longrope(g, get))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     eos = meta.get("tokenizer.ggml.eos_token_id")
     sliding = meta.get(f"{arch}.attention.sliding_window")
@@ -101,6 +103,26 @@ def gguf_config(g: GGUFFile) -> ModelConfig:
         raise LoadError(f"{g.path}: {e}") from None
 
 
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _longrope(g: GGUFFile, get) -> dict:
+    """LongRoPE (Phi-3's 128k variants) as llama.cpp's converter stores it: the two factor sets as tensors, the
+    original context length and the attention factor in the metadata; the set the model runs is chosen by its
+    context length (`LlamaForCausalLM.set_context_length`, as llama.cpp chooses by its context size)."""
+    missing = [t for t in LONGROPE_TENSORS if t not in g.tensors]
+    if missing:
+        raise LoadError(f"{g.path}: LongRoPE needs both factor tensors; {missing[0]!r} is missing")
+    long, short = (tuple(float(x) for x in g.load(t)) for t in LONGROPE_TENSORS)
+    original = int(get("rope.scaling.original_context_length"))
+    out = dict(rope_type="longrope", long_factor=long, short_factor=short, original_max_position_embeddings=original,
+               factor=max(1.0, int(get("context_length")) / original))
+    attention = g.metadata.get(f"{g.metadata['general.architecture']}.rope.scaling.attn_factor")
+    if attention is not None:
+        out["attention_factor"] = float(attention)
+    return out
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undoes llama.cpp's row order for interleaved RoPE, back to Hugging Face's rotate-half order."""
     out = w.shape[0]
@@ -124,7 +146,7 @@ def gguf_tensors(g: GGUFFile, cfg: ModelConfig, quantized: bool = False) -> Iter
     for name in g.tensors:
         hf_name = gguf_to_hf_name(name, spec)
         if hf_name is None:
-            if name != "rope_freqs.weight":
+            if name not in ("rope_freqs.weight", *LONGROPE_TENSORS):
                 raise LoadError(f"{g.path}: unexpected tensor {name!r}")
             continue
         module = ".".join(hf_name.split(".")[-3:-1])  # e.g. "self_attn.q_proj"
