@@ -117,6 +117,16 @@ def _arg_shardings(module: str) -> list[str]:
             for arg in signature.split("%arg")[1:]]
 
 
+def _spec_of(paths: list[str], args: list[str]):
+    """fragment -> the sharding of the one parameter whose path holds `fragment` (args: `_arg_shardings`)."""
+    shardings = dict(zip(paths, args, strict=False))
+
+    def spec(fragment: str) -> str:
+        (match,) = [s for p, s in shardings.items() if fragment in p]
+        return match
+    return spec
+
+
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="needs --xla_force_host_platform_device_count=8")
 def test_the_70b_tp8_step_exports_for_tpu_with_the_intended_shardings():
     mesh = make_mesh(8)
@@ -127,11 +137,7 @@ def test_the_70b_tp8_step_exports_for_tpu_with_the_intended_shardings():
     assert exported.nr_devices == 8 and NATIVE_CALL["tpu"] in module
     assert "sdy.manual_computation" in module  # the kernel runs per device (shard_map), not partitioned by GSPMD
     args = _arg_shardings(module)
-    shardings = dict(zip(paths, args, strict=False))
-
-    def spec(fragment: str) -> str:
-        (match,) = [s for p, s in shardings.items() if fragment in p]
-        return match
+    spec = _spec_of(paths, args)
 
     # Stacked weights [layers, out, in]: column-parallel rows split 8 ways, row-parallel columns split 8 ways,
     # the layer axis never; norms replicated; the vocabulary split.
@@ -179,11 +185,7 @@ def test_the_qwen3_moe_ep8_step_exports_for_tpu_with_the_experts_split():
     exported = _export(runner, runner.buckets[1], "tpu")
     module = exported.mlir_module()
     assert exported.nr_devices == 8 and NATIVE_CALL["tpu"] in module
-    shardings = dict(zip(paths, _arg_shardings(module), strict=False))
-
-    def spec(fragment: str) -> str:
-        (match,) = [s for p, s in shardings.items() if fragment in p]
-        return match
+    spec = _spec_of(paths, _arg_shardings(module))
 
     # [layers, experts, out, in]: the experts split 8 ways (and each expert's rows over tp, of 1 device here);
     # attention whole on every device
@@ -201,11 +203,7 @@ def test_the_qwen3_moe_step_exports_for_tpu_with_whole_experts_over_the_tp_devic
     exported = _export(runner, runner.buckets[1], "tpu")
     module = exported.mlir_module()
     assert exported.nr_devices == 4 and NATIVE_CALL["tpu"] in module
-    shardings = dict(zip(paths, _arg_shardings(module), strict=False))
-
-    def spec(fragment: str) -> str:
-        (match,) = [s for p, s in shardings.items() if fragment in p]
-        return match
+    spec = _spec_of(paths, _arg_shardings(module))
 
     # [layers, experts, out, in]
     assert spec("['experts']['gate_up_proj']['weight'") == '[{}, {"tp"}, {}, {}]'
