@@ -43,7 +43,10 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
             hidden, caches = model.forward_paged(ids, inputs.positions, kv, meta, image_embeds=inputs.images)
     s = logit_rows.shape[0]
     if generates:
-        plain = functools.partial(_sample_rows, model, hidden, logit_rows, inputs.sampling)
+        # the sample rows in use: a prefix of the S rows (each real sequence's, padding after them), of the R
+        # speculative ones at most the step's real tokens
+        live = jnp.sum(meta.kv_lens > 0, dtype=jnp.int32)
+        plain = functools.partial(_sample_rows, model, hidden, logit_rows, inputs.sampling, live)
         if inputs.spec is None:
             tokens, packed = plain()
         else:  # a step without drafts pays for one LM-head row per sequence, not R
@@ -51,7 +54,8 @@ def step_function(graphdef, state_def, generates: bool, pools: bool, params, cac
             r = spec.rows.shape[0]
 
             def speculative():
-                return _sample_rows(model, hidden, spec.rows, per_sample_row(inputs.sampling, spec.seq, spec.offset))
+                return _sample_rows(model, hidden, spec.rows, per_sample_row(inputs.sampling, spec.seq, spec.offset),
+                                    meta.query_start_loc[-1])
 
             def padded():
                 tokens, packed = plain()
@@ -82,10 +86,35 @@ def store_features(cache: jax.Array, slots: jax.Array, features: jax.Array) -> j
     return cache.at[jnp.where(slots >= 0, slots, n)].set(features.astype(cache.dtype), mode="drop")
 
 
-def _sample_rows(model, hidden, rows, sampling: SamplingTensors):
-    """The LM head on `rows` of hidden [T, E] and their tokens -> (tokens [N], packed [N, 3 + 2 * 20] i32)."""
+HEAD_TIERS = (1, 8, 32)  # rows the LM head may run on below a step's N, on CPU (`_head`)
+
+
+def _head(model, hidden: jax.Array, rows: jax.Array, live: jax.Array) -> jax.Array:
+    """The LM head on `rows` [N] of hidden [T, E] -> logits [N, V], computed for the first of HEAD_TIERS' row
+    counts (or N) that holds the `live` rows in use (a prefix), the others zeros. A bucket's N is its sequence
+    count, min(T, max_num_seqs): a lone prompt's prefill step of 320 tokens has N = 64, and on CPU, where the
+    head's rows cost their full matmul, 63 of them were a tenth of its time. A row's logits do not depend on the
+    row count (the kernels' rows are independent: batch invariance). On GPU and TPU the head at these row counts
+    is bound by reading its weights, so a step computes all N rows there (one executable's code, not four)."""
+    n = rows.shape[0]
+    tiers = [t for t in HEAD_TIERS if t < n and model.kernels.platform == "cpu"] + [n]
+    if len(tiers) == 1:
+        return model.logits(hidden[rows])
+
+    def tier(m: int):
+        def run():
+            logits = model.logits(hidden[rows[:m]])
+            return logits if m == n else jnp.pad(logits, ((0, n - m), (0, 0)))
+        return run
+    index = jnp.sum(jnp.asarray(tiers[:-1], jnp.int32) < live, dtype=jnp.int32)  # the first tier >= live
+    return jax.lax.switch(index, [tier(m) for m in tiers])
+
+
+def _sample_rows(model, hidden, rows, sampling: SamplingTensors, live: jax.Array):
+    """The LM head on `rows` of hidden [T, E] (the first `live` of them in use: `_head`) and their tokens ->
+    (tokens [N], packed [N, 3 + 2 * 20] i32)."""
     with jax.named_scope("logits"):
-        logits = model.logits(hidden[rows])  # [N, V]: only the rows that get a token
+        logits = _head(model, hidden, rows, live)  # [N, V]: only the rows that get a token
     with jax.named_scope("sampler"):
         tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
