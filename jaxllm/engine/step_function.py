@@ -92,9 +92,9 @@ HEAD_TIERS = (1, 8, 32)  # rows the LM head may run on below a step's N, on CPU 
 def _head(model, hidden: jax.Array, rows: jax.Array, live: jax.Array) -> jax.Array:
     """The LM head on `rows` [N] of hidden [T, E] -> logits [N, V], computed for the first of HEAD_TIERS' row
     counts (or N) that holds the `live` rows in use (a prefix), the others zeros. A bucket's N is its sequence
-    count, min(T, max_num_seqs): a lone prompt's prefill step of 320 tokens has N = 64, and on CPU, where the
-    head's rows cost their full matmul, 63 of them were a tenth of its time. A row's logits do not depend on the
-    row count (the kernels' rows are independent: batch invariance). On GPU and TPU the head at these row counts
+    count, min(T, max_num_seqs): a lone prompt's prefill step of 320 tokens has N = 64, 63 of them padding, and
+    on CPU each row costs its full matmul. A row's logits do not depend on the row count (the kernels' rows are
+    independent: batch invariance). On GPU and TPU the head at these row counts
     is bound by reading its weights, so a step computes all N rows there (one executable's code, not four)."""
     n = rows.shape[0]
     tiers = [t for t in HEAD_TIERS if t < n and model.kernels.platform == "cpu"] + [n]
