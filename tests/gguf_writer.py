@@ -216,6 +216,19 @@ class _ShiftedNorms:
                 for name, t in self.hf_model.state_dict().items() if name != "lm_head.weight"}
 
 
+def _add_moe_metadata(w, cfg, experts: int, width: int | None) -> None:
+    """What every MoE file's metadata says of attention and the experts: head_dim, the norm's epsilon, the expert
+    count, top-k and (`width`; None: Mixtral's, as wide as `feed_forward_length`) an expert's width."""
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if width is not None:
+        w.add_expert_feed_forward_length(width)
+
+
 def write_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
     """A Qwen3-MoE ("qwen3moe"), Qwen2-MoE ("qwen2moe") or Mixtral ("llama" with experts) GGUF as llama.cpp's
     converter writes one: each layer's experts stacked per projection (`ffn_gate_exps`, `ffn_up_exps`,
@@ -224,15 +237,9 @@ def write_moe_gguf(hf_model, path: Path, weight_type: T = T.F32) -> Path:
     cfg = hf_model.config
     arch = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}[cfg.model_type]
     w = _writer(path, arch, cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    _add_moe_metadata(w, cfg, cfg.num_local_experts if arch == "llama" else cfg.num_experts,
+                      None if arch == "llama" else cfg.moe_intermediate_size)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_local_experts if arch == "llama" else cfg.num_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch != "llama":
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if getattr(cfg, "sliding_window", None):  # the tiny Mixtral's (real Mixtral configs have none)
@@ -279,12 +286,7 @@ def write_gpt_oss_gguf(hf_model, path: Path, expert_type: T = T.F32) -> Path:
     weights in GGML's MXFP4 blocks (the released models' type), the rest float32."""
     cfg = hf_model.config
     w = _writer(path, "gpt-oss", cfg)
-    w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_expert_count(cfg.num_local_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    w.add_expert_feed_forward_length(cfg.intermediate_size)
+    _add_moe_metadata(w, cfg, cfg.num_local_experts, cfg.intermediate_size)
     w.add_sliding_window(cfg.sliding_window)
     rope = cfg.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])

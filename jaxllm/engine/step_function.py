@@ -94,8 +94,9 @@ def _head(model, hidden: jax.Array, rows: jax.Array, live: jax.Array) -> jax.Arr
     counts (or N) that holds the `live` rows in use (a prefix), the others zeros. A bucket's N is its sequence
     count, min(T, max_num_seqs): a lone prompt's prefill step of 320 tokens has N = 64, 63 of them padding, and
     on CPU each row costs its full matmul. A row's logits do not depend on the row count (the kernels' rows are
-    independent: batch invariance). On GPU and TPU the head at these row counts
-    is bound by reading its weights, so a step computes all N rows there (one executable's code, not four)."""
+    independent: batch invariance). On GPU and TPU a step computes all N rows: there the head at these row counts
+    should be bound by reading its weights, not by its rows (inferred, not measured on a device), and one branch
+    keeps one executable's code, not four."""
     n = rows.shape[0]
     tiers = [t for t in HEAD_TIERS if t < n and model.kernels.platform == "cpu"] + [n]
     if len(tiers) == 1:

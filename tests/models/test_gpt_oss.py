@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxllm.dtypes import E2M1_VALUES
 from jaxllm.loading import LoadError, load_model
-from jaxllm.models.families.gpt_oss import FP4_VALUES, mxfp4_dequantize
+from jaxllm.models.families.gpt_oss import mxfp4_dequantize
 from tests.models.test_hf_parity import _hf_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -33,7 +34,7 @@ def _mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     peak = np.maximum(np.abs(groups).max(-1), 1e-30)
     exponent = np.clip(np.ceil(np.log2(peak / 6.0)), -127, 127).astype(np.int32)
     scaled = groups / np.ldexp(1.0, exponent)[..., None]
-    nibbles = np.abs(scaled[..., None] - FP4_VALUES).argmin(-1).astype(np.uint8)  # [..., G, 32]
+    nibbles = np.abs(scaled[..., None] - E2M1_VALUES).argmin(-1).astype(np.uint8)  # [..., G, 32]
     # contiguous: safetensors' numpy writer stores an array's memory as it lies, whatever its strides
     return (np.ascontiguousarray(nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)),
             np.ascontiguousarray(exponent + 127, np.uint8))

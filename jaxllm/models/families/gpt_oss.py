@@ -32,7 +32,6 @@ from jaxllm.models.families.moe_config import MOE_GGUF_LAYER_NAMES, MOE_QUANTIZA
 from jaxllm.models.family import FamilySpec
 from jaxllm.models.moe import MoE
 
-FP4_VALUES = E2M1_VALUES
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
 
 
@@ -73,8 +72,8 @@ def mxfp4_dequantize(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
         raise ValueError(f"MXFP4 blocks {blocks.shape} and scales {scales.shape} do not pair (blocks [..., G, 16], "
                          "scales [..., G])")
     values = np.empty((*blocks.shape[:-1], 32), np.float32)
-    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    values[..., 0::2] = E2M1_VALUES[blocks & 0x0F]
+    values[..., 1::2] = E2M1_VALUES[blocks >> 4]
     values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
     return values.reshape(*blocks.shape[:-2], -1)
 
