@@ -7,15 +7,17 @@ first token). Peers measured side by side in the same run: llama.cpp's own tools
 torch is installed. Engines alternate within each round, each in its own process; figures are medians over rounds.
 
 jaxllm runs with its defaults (the `smollm2-cpu` preset the server uses: the embedded GGUF served as its own
-Q4_1/Q8_0 weights) unless --quantization says otherwise.
+Q4_1/Q8_0 weights) unless --quantization says otherwise; --int8-paths adds runs on other integer matmul paths (e.g.
+amx, which the engine takes only when asked), alternating with the rest.
 
-    python benchmarks/offline.py [--rounds 3] [--quantization none] [--no-peers] [--json out.json]
+    python benchmarks/offline.py [--rounds 3] [--quantization none] [--int8-paths amx] [--no-peers] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +28,8 @@ from pathlib import Path
 import machine
 import peers
 import workload
+
+from pallas_kernels.quantized_matmul import isa
 
 LLAMA_TYPES = ("F16", "F32", "Q4_1")
 
@@ -69,15 +73,17 @@ def run_transformers(work: dict) -> dict | None:
     return {"batch_tok_s": batch, "single_tok_s": single_tps, "ttft_s": ttft}
 
 
-def run_isolated(name: str, quantization: str | None) -> dict | None:
+def run_isolated(name: str, quantization: str | None, int8_path: str | None = None) -> dict | None:
     """Each engine in its own process: their thread pools (XLA, numba's, torch's OpenMP) must not share the two
-    cores or each other's settings (torch ran 6x slower after jaxllm in one process)."""
+    cores or each other's settings (torch ran 6x slower after jaxllm in one process). int8_path: jaxllm's
+    integer matmul path (`JAXLLM_CPU_INT8_ISA`), else the engine's choice."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--engine", name, "--json", str(out)]
         if quantization:
             cmd += ["--quantization", quantization]
-        subprocess.run(cmd, check=True)
+        env = {**os.environ, isa.ENV: int8_path} if int8_path else None
+        subprocess.run(cmd, check=True, env=env)
         return json.loads(out.read_text())
 
 
@@ -91,6 +97,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--quantization", help="jaxllm's weights (default: the engine's default, the GGUF's own)")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--int8-paths", default="", help="also run jaxllm on these integer matmul paths (comma-separated, "
+                   "e.g. amx), each in every round")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--engine", choices=("jaxllm", "transformers"), help=argparse.SUPPRESS)  # one run, here
     args = p.parse_args()
@@ -104,6 +112,10 @@ def main() -> None:
     for r in range(args.rounds):
         runs.setdefault(label, []).append(run_isolated("jaxllm", args.quantization))
         print(f"round {r}: {label} {runs[label][-1]}", flush=True)
+        for path in filter(None, args.int8_paths.split(",")):
+            key = f"jaxllm (int8 path {path})"
+            runs.setdefault(key, []).append(run_isolated("jaxllm", args.quantization, path))
+            print(f"round {r}: {key} {runs[key][-1]}", flush=True)
         if peer is not None:
             for kind in LLAMA_TYPES:
                 key = f"llama.cpp {kind}"
@@ -123,6 +135,9 @@ def main() -> None:
         print(f"{k:22s} {m['batch_tok_s']:15.1f} {m['single_tok_s']:13.1f}")
     ours = summary[label]
     ratios = {}
+    for key in (k for k in summary if k.startswith("jaxllm (int8 path")):
+        ratios[f"{key} / defaults, batch"] = summary[key]["batch_tok_s"] / ours["batch_tok_s"]
+        ratios[f"{key} / defaults, single"] = summary[key]["single_tok_s"] / ours["single_tok_s"]
     if peer is not None:
         best = max(("llama.cpp F16", "llama.cpp F32"), key=lambda k: summary[k]["batch_tok_s"])
         ratios = {f"batch vs {best}": ours["batch_tok_s"] / summary[best]["batch_tok_s"],
@@ -133,7 +148,11 @@ def main() -> None:
         ratios["batch vs transformers"] = ours["batch_tok_s"] / summary["transformers f32"]["batch_tok_s"]
     for k, v in ratios.items():
         print(f"jaxllm {k}: {v:.2f}x")
-    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs)
+    for name, mode in peers.batched_modes.items():
+        if mode != "default":
+            print(f"llama-batched-bench on {name}: {mode}")
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs,
+                 llama_batched_modes=peers.batched_modes)
 
 
 if __name__ == "__main__":

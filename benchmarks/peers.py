@@ -10,6 +10,7 @@ import io
 import re
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,13 +43,26 @@ def single_stream(peers: Path, model: str, tokens: int = 128) -> float:
 
 def batched(peers: Path, model: str, prompt: int = 128, gen: int = 128, streams: int = 32) -> float:
     """Generated tok/s of `streams` sequences of prompt + gen tokens over the whole run, prefill included
-    (`llama-batched-bench`: streams x gen / total time)."""
-    out = subprocess.run([str(peers / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
-                          "-c", str(streams * (prompt + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(prompt),
-                          "-ntg", str(gen), "-npl", str(streams)], check=True, capture_output=True, text=True).stdout
-    row = [r for r in out.splitlines() if re.match(rf"\|\s+{prompt} \|\s+{gen} \|\s+{streams} \|", r)][0]
+    (`llama-batched-bench`: streams x gen / total time). Where llama.cpp's default run crashes (its AMX
+    repacked Q4_1 weights died with SIGSEGV in this benchmark on a Xeon with AMX), it runs again with
+    `--no-repack` and says so on stderr: `batched_modes` records which ran."""
+    cmd = [str(peers / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
+           "-c", str(streams * (prompt + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+           "-ntg", str(gen), "-npl", str(streams)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    mode = "default"
+    if run.returncode != 0:
+        print(f"llama-batched-bench on {Path(model).name} exited with {run.returncode}; again with --no-repack",
+              file=sys.stderr)
+        run = subprocess.run([*cmd, "--no-repack"], check=True, capture_output=True, text=True)
+        mode = "--no-repack (the default run crashed)"
+    batched_modes[Path(model).name] = mode
+    row = [r for r in run.stdout.splitlines() if re.match(rf"\|\s+{prompt} \|\s+{gen} \|\s+{streams} \|", r)][0]
     total_s = float(row.strip("|").split("|")[8])
     return streams * gen / total_s
+
+
+batched_modes: dict[str, str] = {}  # GGUF file name -> how `batched` last ran llama.cpp on it
 
 
 def free_port() -> int:

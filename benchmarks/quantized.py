@@ -93,7 +93,8 @@ def main() -> None:
         print(f"{name}: jaxllm / llama.cpp single {ours['single_tok_s'] / peer['single_tok_s']:.2f}x, batched "
               f"{ours['batch_tok_s'] / peer['batch_tok_s']:.2f}x; weights / file tensors "
               f"{ours['weight_bytes'] / ours['file_tensor_bytes']:.3f}")
-    machine.save(args.json, host, rounds=args.rounds, summary=summary, runs=runs)
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, runs=runs,
+                 llama_batched_modes=peers.batched_modes)
 
 
 if __name__ == "__main__":

@@ -40,9 +40,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     impls = {"kernel": jax.jit(cpu.matmul, static_argnums=2),
              "xla tiles": jax.jit(reference.tiled_matmul, static_argnums=2)}
-    if isa.best() is not None:  # the integer path first: the kernel the engine runs here
-        impls = {f"int8 {isa.best()}": jax.jit(functools.partial(cpu.matmul, isa=isa.best()), static_argnums=2),
-                 **impls}
+    # the integer paths first (the engine runs the first here), each this CPU runs
+    impls = {**{f"int8 {path}": jax.jit(functools.partial(cpu.matmul, isa=path), static_argnums=2)
+                for path in isa.available()}, **impls}
     print(f"{'type':5s} {'shape':8s} {'tokens':>6s}  " + "  ".join(f"{k:>18s}" for k in impls) + "  kernel/xla")
     for kind in (T[name] for name in args.types.split(",")):
         for name, shape in SHAPES.items():

@@ -462,9 +462,14 @@ def _chunk_symbols(isa: str, grouped: bool = False) -> tuple:
     """Compiles (or loads) `isa`'s four chunk loops (4-/8-bit data, float16/float32 scales; a grouped matmul's
     with `grouped`) and returns the intrinsics of their addresses, in LAYOUTS order."""
     kind = "grouped_chunk" if grouped else "chunk"
+    if isa == "amx":
+        isa_mod.request_amx()
+        from pallas_kernels.quantized_matmul.cpu_amx_kernel import chunk_fn
+    else:
+        chunk_fn = functools.partial(_chunk, isa)
     for layout in LAYOUTS:
         cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
-            _chunk(isa, 4 if layout[1] == "4" else 8, layout.endswith("f16"), grouped=grouped))
+            chunk_fn(4 if layout[1] == "4" else 8, layout.endswith("f16"), grouped=grouped))
         export_symbol(f"jaxllm_cpu_q8act_{kind}_{isa}_{layout}", cfunc.address)
         _KEEP.append(cfunc)
     return tuple(symbol(f"jaxllm_cpu_q8act_{kind}_{isa}_{layout}", True) for layout in LAYOUTS)

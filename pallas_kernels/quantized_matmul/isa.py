@@ -1,17 +1,23 @@
 """Which integer dot-product instructions this CPU has, for the int8-activation quantized matmul.
 
-The kernel's inner step multiplies 64 unsigned bytes by 64 signed bytes and sums each run of 4 products into one of
-16 int32 lanes. Three instruction sets do that, widest first:
+Four paths, widest first:
 
+- ``amx``: Intel AMX tiles (``tdpbssd``/``tdpbsud``), 16 inputs x 16 weight rows x 32 values an instruction, with
+  AVX-512 VNNI lane passes for steps of fewer than 16 inputs (`cpu_amx_kernel`). It sums whole 32-value blocks
+  exactly before scaling them, so its results differ from the lane paths' by float32 rounding (it is batch
+  invariant on its own: every step size gets the same block sums and float work). It is used only when asked for
+  (``JAXLLM_CPU_INT8_ISA=amx``): without weights repacked for it at load, its decode steps are slower than
+  ``vnni512``'s (see docs/models.md), its bigger steps faster.
 - ``vnni512``: AVX-512 VNNI ``vpdpbusd`` on 512-bit registers (one instruction);
 - ``vnni256``: ``vpdpbusd`` on 256-bit registers (AVX-VNNI, or AVX-512 VNNI with VL), two instructions;
 - ``avx2``: ``vpmaddubsw`` (pairs into int16) then ``vpmaddwd`` against ones (pairs into int32), four.
 
-Every path computes the same exact int32 lanes (no int16 saturation: the kernel keeps each product pair under
-2 * 128 * 127), so the kernel's results are bit-identical whichever one runs. The choice is made once, from the
-features LLVM reports for the host, because a path compiled for instructions the CPU lacks cannot even be built
-(LLVM fails to select them). ``JAXLLM_CPU_INT8_ISA`` (one of ISAS, or ``none``) overrides it, e.g. to compare
-paths; asking for one this CPU cannot run is an error.
+The three lane paths multiply 64 unsigned bytes by 64 signed bytes and sum each run of 4 products into one of 16
+int32 lanes, the same exact lanes on every one (no int16 saturation: the kernel keeps each product pair under
+2 * 128 * 127), so their results are bit-identical whichever runs. The choice is made once, from the features LLVM
+reports for the host, because a path compiled for instructions the CPU lacks cannot even be built (LLVM fails to
+select them). ``JAXLLM_CPU_INT8_ISA`` (one of ISAS, or ``none``) overrides it, e.g. to compare paths; asking for
+one this CPU cannot run is an error.
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from __future__ import annotations
 import functools
 import os
 
-ISAS = ("vnni512", "vnni256", "avx2")  # widest first
+ISAS = ("amx", "vnni512", "vnni256", "avx2")  # widest first
+CHOSEN = ISAS[1:]  # the paths `best` picks from unasked
 ENV = "JAXLLM_CPU_INT8_ISA"
 
 
@@ -32,6 +39,8 @@ def _features() -> dict[str, bool]:
 def supported(isa: str) -> bool:
     """Whether this CPU runs `isa`'s instructions."""
     f = _features()
+    if isa == "amx":
+        return f.get("amx-int8", False) and f.get("amx-tile", False) and f.get("avx512bw", False) and _permitted()
     if isa == "vnni512":
         return f.get("avx512vnni", False) and f.get("avx512bw", False)
     if isa == "vnni256":
@@ -41,14 +50,37 @@ def supported(isa: str) -> bool:
     raise ValueError(f"unknown integer dot-product instruction set {isa!r}; choose one of {ISAS}")
 
 
+ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA = 0x1023, 18  # linux/arch/x86/include/uapi/asm/prctl.h, fpu/types.h
+SYS_ARCH_PRCTL = 158  # x86-64
+
+
+@functools.cache
+def _permitted() -> bool:
+    """Asks Linux for the AMX tile state, once for the process (threads share the grant): True if granted."""
+    import ctypes
+    import platform
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def request_amx() -> None:
+    """Before the first tile instruction: without the grant it kills the process (SIGILL)."""
+    if not _permitted():
+        raise RuntimeError("Linux refused this process the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)")
+
+
 def available() -> tuple[str, ...]:
     """The paths this CPU runs, widest first."""
     return tuple(isa for isa in ISAS if supported(isa))
 
 
 def best() -> str | None:
-    """The path the kernel uses here: ``JAXLLM_CPU_INT8_ISA`` if set, else the widest this CPU runs (None: no
-    integer path, the float-activation kernel serves)."""
+    """The path the kernel uses here: ``JAXLLM_CPU_INT8_ISA`` if set, else the widest lane path this CPU runs
+    (None: no integer path, the float-activation kernel serves)."""
     wanted = os.environ.get(ENV, "").strip().lower()
     if wanted:
         if wanted == "none":
@@ -56,7 +88,7 @@ def best() -> str | None:
         if not supported(wanted):
             raise ValueError(f"{ENV}={wanted}: {describe()}; cannot run it")
         return wanted
-    paths = available()
+    paths = [isa for isa in available() if isa in CHOSEN]
     return paths[0] if paths else None
 
 

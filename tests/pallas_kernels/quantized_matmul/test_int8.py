@@ -12,6 +12,7 @@ import pytest
 
 from jaxllm.kernels import choose_kernels
 from pallas_kernels.quantized_matmul import activations, cpu, isa
+from pallas_kernels.quantized_matmul.cpu_amx_kernel import TOKENS_PER_PASS
 from pallas_kernels.quantized_matmul.cpu_int8_kernel import X_BLOCK_BYTES
 from pallas_kernels.quantized_matmul.format import QuantFormat, QuantizedWeight
 from tests.pallas_kernels.quantized_matmul.test_matmul import KINDS, _case
@@ -32,7 +33,7 @@ def _matmul(path):
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
 def test_close_to_the_float64_product_of_the_quantized_operands(path, kind):
     w, fmt, wf = _case(kind, (1030, 768))  # 4-row blocks plus a tail; K-quants come in 256-value blocks
-    x = np.random.default_rng(3).standard_normal((7, 768)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((37, 768)).astype(np.float32)  # amx: 2 tiles and a tail
     y = np.asarray(_matmul(_path(path))(jnp.asarray(x), w, fmt))
     xa = activations.dequantize(activations.quantize(jnp.asarray(x))).astype(np.float64)
     exact = xa @ wf.T.astype(np.float64)
@@ -67,29 +68,34 @@ def test_exact_where_every_operation_is(path, fmt):
     dt = np.dtype(fmt.scale_dtype)
     w = QuantizedWeight(jnp.asarray(data), jnp.asarray(scale.astype(dt)),
                         None if offset is None else jnp.asarray(offset.astype(dt)))
-    x = rng.integers(-127, 128, (5, n)).astype(np.float64)
-    x.reshape(5, n // 32, 32)[:, :, 0] = 127  # every block's max is 127 ...
-    x *= 2.0 ** rng.integers(-3, 3, (5, 1))  # ... times a power of two: its step, exactly
-    y = np.asarray(_matmul(_path(path))(jnp.asarray(x.astype(np.float32)), w, fmt))
-    np.testing.assert_array_equal(y, (x @ wf.T).astype(np.float32))
+    for rows in (5, 21):  # amx: lane passes; a tile and a tail
+        x = rng.integers(-127, 128, (rows, n)).astype(np.float64)
+        x.reshape(rows, n // 32, 32)[:, :, 0] = 127  # every block's max is 127 ...
+        x *= 2.0 ** rng.integers(-3, 3, (rows, 1))  # ... times a power of two: its step, exactly
+        y = np.asarray(_matmul(_path(path))(jnp.asarray(x.astype(np.float32)), w, fmt))
+        np.testing.assert_array_equal(y, (x @ wf.T).astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: getattr(k, "name", k))
 def test_every_path_every_row_count_gives_the_same_bits(kind):
-    """Batch invariance, and the paths' agreement: integer lanes are exact on every instruction set, and the
-    float work around them is the same code. 300 rows of 768 values span two of the kernel's input blocks."""
+    """Batch invariance on every path, and the lane paths' agreement (their integer lanes are exact on every
+    instruction set, and the float work around them is the same code). amx sums whole blocks, by tile products
+    from 16 inputs on and by lane passes below: the same integers, the same float work. 300 rows of 768 values span
+    two of the lane kernel's input blocks and two of amx's passes."""
     paths = isa.available()
     if not paths:
         pytest.skip(f"no integer path on this CPU ({isa.describe()})")
-    assert 300 * 768 > X_BLOCK_BYTES
+    assert 300 * 768 > X_BLOCK_BYTES and 300 > TOKENS_PER_PASS
     w, fmt, _ = _case(kind, (98, 768))
     x = jnp.asarray(np.random.default_rng(2).standard_normal((300, 768)).astype(np.float32))
-    together = np.asarray(_matmul(paths[0])(x, w, fmt))
+    lanes = [path for path in paths if path != "amx"]
     for path in paths:
-        np.testing.assert_array_equal(np.asarray(_matmul(path)(x, w, fmt)), together, err_msg=path)
-    for n in (1, 3, 17, 32, 129):
-        np.testing.assert_array_equal(np.asarray(_matmul(paths[-1])(x[:n], w, fmt)), together[:n])
-    np.testing.assert_array_equal(np.asarray(_matmul(paths[0])(x[5:6], w, fmt))[0], together[5])
+        together = np.asarray(_matmul(path)(x, w, fmt))
+        for n in (1, 3, 15, 16, 17, 32, 129):
+            np.testing.assert_array_equal(np.asarray(_matmul(path)(x[:n], w, fmt)), together[:n], err_msg=path)
+        np.testing.assert_array_equal(np.asarray(_matmul(path)(x[5:6], w, fmt))[0], together[5], err_msg=path)
+        if path in lanes:
+            np.testing.assert_array_equal(together, np.asarray(_matmul(lanes[0])(x, w, fmt)), err_msg=path)
 
 
 @pytest.mark.parametrize("rows", [1, 70, 300])
@@ -116,7 +122,7 @@ def test_path_choice_and_override(monkeypatch):
     with pytest.raises(ValueError, match="unknown integer dot-product"):
         isa.best()
     monkeypatch.delenv(isa.ENV)
-    assert isa.best() == (isa.available() or (None,))[0]
+    assert isa.best() == ([path for path in isa.available() if path != "amx"] or [None])[0]  # amx: when asked
     assert choose_kernels("auto", "auto", platform="cpu").int8_isa == isa.best()
     assert choose_kernels("auto", "reference", platform="cpu").int8_isa is None
     assert choose_kernels("auto", "auto", platform="tpu").int8_isa is None
