@@ -71,13 +71,12 @@ def run_llama(peer: Path, prefill: list[int], depths: list[int]) -> dict:
     bench = str(peer / "bin" / "llama-bench")
     model = peers.gguf(peer, "Q4_1")
     out = {}
-    rows = subprocess.run([bench, "-m", model, "-t", "2", "-p", ",".join(map(str, prefill)), "-n", "0", "-r", "1",
-                           "-o", "csv"], check=True, capture_output=True, text=True).stdout
+    rows = peers.run_tool([bench, "-m", model, "-t", "2", "-p", ",".join(map(str, prefill)), "-n", "0", "-r", "1",
+                           "-o", "csv"], peers.BENCH_NO_REPACK)
     for row in csv.DictReader(io.StringIO(rows)):
         out[f"prefill {row['n_prompt']}"] = float(row["avg_ts"])
-    rows = subprocess.run([bench, "-m", model, "-t", "2", "-p", "0", "-n", str(NEW_TOKENS), "-d",
-                           ",".join(map(str, depths)), "-r", "1", "-o", "csv"], check=True, capture_output=True,
-                          text=True).stdout
+    rows = peers.run_tool([bench, "-m", model, "-t", "2", "-p", "0", "-n", str(NEW_TOKENS), "-d",
+                           ",".join(map(str, depths)), "-r", "1", "-o", "csv"], peers.BENCH_NO_REPACK)
     for row in csv.DictReader(io.StringIO(rows)):
         out[f"decode at {row['n_depth']}"] = float(row["avg_ts"])
     return out
@@ -111,7 +110,10 @@ def main() -> None:
     print(f"{'':18s} {'jaxllm LLM()':>13s} {'llama.cpp Q4_1':>15s} {'ratio':>7s}")
     for k in keys:
         print(f"{k:18s} {summary['jaxllm LLM()'][k]:13.1f} {summary['llama.cpp Q4_1'][k]:15.1f} {ratios[k]:6.2f}x")
-    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs)
+    for cmd in dict.fromkeys(peers.repack_off):
+        print(f"ran again with llama.cpp's repack off: {cmd}")
+    machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs,
+                 llama_repack_off=sorted(set(peers.repack_off)))
 
 
 if __name__ == "__main__":

@@ -148,11 +148,10 @@ def main() -> None:
         ratios["batch vs transformers"] = ours["batch_tok_s"] / summary["transformers f32"]["batch_tok_s"]
     for k, v in ratios.items():
         print(f"jaxllm {k}: {v:.2f}x")
-    for name, mode in peers.batched_modes.items():
-        if mode != "default":
-            print(f"llama-batched-bench on {name}: {mode}")
+    for cmd in dict.fromkeys(peers.repack_off):
+        print(f"ran again with llama.cpp's repack off: {cmd}")
     machine.save(args.json, host, rounds=args.rounds, summary=summary, ratios=ratios, runs=runs,
-                 llama_batched_modes=peers.batched_modes)
+                 llama_repack_off=sorted(set(peers.repack_off)))
 
 
 if __name__ == "__main__":

@@ -34,35 +34,40 @@ def gguf(peers: Path, kind: str) -> str:
     return str(peers / "gguf" / f"SmolLM2-135M-Instruct.{kind}.gguf")
 
 
+def run_tool(cmd: list[str], no_repack: list[str]) -> str:
+    """A llama.cpp tool's stdout. Where its default run crashes (on a Xeon with AMX, llama.cpp's AMX-repacked
+    Q4_1/Q8_0 weights died with SIGSEGV in `llama-batched-bench` and in `llama-bench`'s prompt runs; its decode
+    runs did not), it runs again with the repack off (`no_repack`: the tool's flag for it), says so on stderr, and
+    `repack_off` records the command."""
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode == 0:
+        return run.stdout
+    print(f"{Path(cmd[0]).name} exited with {run.returncode}; again with {' '.join(no_repack)}", file=sys.stderr)
+    repack_off.append(" ".join([Path(cmd[0]).name, *cmd[1:], *no_repack]))
+    return subprocess.run([*cmd, *no_repack], check=True, capture_output=True, text=True).stdout
+
+
+repack_off: list[str] = []  # the commands `run_tool` ran again with llama.cpp's weight repack off
+BENCH_NO_REPACK = ["--repack", "0"]  # llama-bench's flag
+BATCHED_NO_REPACK = ["--no-repack"]  # llama-batched-bench's
+
+
 def single_stream(peers: Path, model: str, tokens: int = 128) -> float:
     """Decode tok/s of one stream (`llama-bench -p 0 -n tokens`, mean over 3 repetitions)."""
-    out = subprocess.run([str(peers / "bin" / "llama-bench"), "-m", model, "-t", "2", "-p", "0", "-n", str(tokens),
-                          "-r", "3", "-o", "csv"], check=True, capture_output=True, text=True).stdout
+    out = run_tool([str(peers / "bin" / "llama-bench"), "-m", model, "-t", "2", "-p", "0", "-n", str(tokens), "-r",
+                    "3", "-o", "csv"], BENCH_NO_REPACK)
     return float(next(csv.DictReader(io.StringIO(out)))["avg_ts"])
 
 
 def batched(peers: Path, model: str, prompt: int = 128, gen: int = 128, streams: int = 32) -> float:
     """Generated tok/s of `streams` sequences of prompt + gen tokens over the whole run, prefill included
-    (`llama-batched-bench`: streams x gen / total time). Where llama.cpp's default run crashes (its AMX
-    repacked Q4_1 weights died with SIGSEGV in this benchmark on a Xeon with AMX), it runs again with
-    `--no-repack` and says so on stderr: `batched_modes` records which ran."""
-    cmd = [str(peers / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
-           "-c", str(streams * (prompt + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(prompt),
-           "-ntg", str(gen), "-npl", str(streams)]
-    run = subprocess.run(cmd, capture_output=True, text=True)
-    mode = "default"
-    if run.returncode != 0:
-        print(f"llama-batched-bench on {Path(model).name} exited with {run.returncode}; again with --no-repack",
-              file=sys.stderr)
-        run = subprocess.run([*cmd, "--no-repack"], check=True, capture_output=True, text=True)
-        mode = "--no-repack (the default run crashed)"
-    batched_modes[Path(model).name] = mode
-    row = [r for r in run.stdout.splitlines() if re.match(rf"\|\s+{prompt} \|\s+{gen} \|\s+{streams} \|", r)][0]
+    (`llama-batched-bench`: streams x gen / total time)."""
+    out = run_tool([str(peers / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
+                    "-c", str(streams * (prompt + gen) + 64), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+                    "-ntg", str(gen), "-npl", str(streams)], BATCHED_NO_REPACK)
+    row = [r for r in out.splitlines() if re.match(rf"\|\s+{prompt} \|\s+{gen} \|\s+{streams} \|", r)][0]
     total_s = float(row.strip("|").split("|")[8])
     return streams * gen / total_s
-
-
-batched_modes: dict[str, str] = {}  # GGUF file name -> how `batched` last ran llama.cpp on it
 
 
 def free_port() -> int:

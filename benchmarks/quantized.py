@@ -94,7 +94,7 @@ def main() -> None:
               f"{ours['batch_tok_s'] / peer['batch_tok_s']:.2f}x; weights / file tensors "
               f"{ours['weight_bytes'] / ours['file_tensor_bytes']:.3f}")
     machine.save(args.json, host, rounds=args.rounds, summary=summary, runs=runs,
-                 llama_batched_modes=peers.batched_modes)
+                 llama_repack_off=sorted(set(peers.repack_off)))
 
 
 if __name__ == "__main__":
