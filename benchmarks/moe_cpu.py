@@ -17,7 +17,6 @@ import argparse
 import json
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -61,9 +60,9 @@ def jaxllm_decode(llm, prompts: list[list[int]], new: int) -> float:
 
 def llamacpp_batched_decode(tools: Path, model: str) -> float:
     """llama-batched-bench's generation speed (S_TG) for STREAMS x (PROMPT + NEW)."""
-    out = subprocess.run([str(tools / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
+    out = peers.run_tool([str(tools / "bin" / "llama-batched-bench"), "-m", model, "-t", "2", "-tb", "2",
                           "-c", str(STREAMS * (PROMPT + NEW) + 64), "-b", "2048", "-ub", "512", "-npp", str(PROMPT),
-                          "-ntg", str(NEW), "-npl", str(STREAMS)], check=True, capture_output=True, text=True).stdout
+                          "-ntg", str(NEW), "-npl", str(STREAMS)], peers.BATCHED_NO_REPACK)
     row = [r for r in out.splitlines() if re.match(rf"\|\s+{PROMPT} \|\s+{NEW} \|\s+{STREAMS} \|", r)][0]
     return float(row.strip("|").split("|")[7])
 
@@ -97,7 +96,7 @@ def main() -> None:
     summary = {k: {m: statistics.median(x[m] for x in rs) for m in ("single", "16 streams")} for k, rs in runs.items()}
     ratios = {m: summary["jaxllm"][m] / summary["llama.cpp"][m] for m in ("single", "16 streams")}
     result = {"machine": machine.describe(), "rounds": args.rounds, "shape": SHAPE, "summary": summary,
-              "ratios": ratios, "runs": runs}
+              "ratios": ratios, "runs": runs, "llama_repack_off": sorted(set(peers.repack_off))}
     print(json.dumps({"summary": summary, "ratios": ratios}, indent=1))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -34,22 +34,22 @@ def gguf(peers: Path, kind: str) -> str:
     return str(peers / "gguf" / f"SmolLM2-135M-Instruct.{kind}.gguf")
 
 
-def run_tool(cmd: list[str], no_repack: list[str]) -> str:
-    """A llama.cpp tool's stdout. Where its default run crashes (on a Xeon with AMX, llama.cpp's AMX-repacked
-    Q4_1/Q8_0 weights died with SIGSEGV in `llama-batched-bench` and in `llama-bench`'s prompt runs; its decode
-    runs did not), it runs again with the repack off (`no_repack`: the tool's flag for it), says so on stderr, and
-    `repack_off` records the command."""
+def run_tool(cmd: list[str], no_repack: list[str], with_stderr: bool = False) -> str:
+    """A llama.cpp tool's stdout (and its stderr after it: with_stderr). Where its default run crashes (on a Xeon
+    with AMX, llama.cpp's AMX-repacked Q4_1/Q8_0 weights died with SIGSEGV in `llama-batched-bench` and in
+    `llama-bench`'s prompt runs; its decode runs did not), it runs again with the repack off (`no_repack`: the
+    tool's flag for it), says so on stderr, and `repack_off` records the command."""
     run = subprocess.run(cmd, capture_output=True, text=True)
-    if run.returncode == 0:
-        return run.stdout
-    print(f"{Path(cmd[0]).name} exited with {run.returncode}; again with {' '.join(no_repack)}", file=sys.stderr)
-    repack_off.append(" ".join([Path(cmd[0]).name, *cmd[1:], *no_repack]))
-    return subprocess.run([*cmd, *no_repack], check=True, capture_output=True, text=True).stdout
+    if run.returncode != 0:
+        print(f"{Path(cmd[0]).name} exited with {run.returncode}; again with {' '.join(no_repack)}", file=sys.stderr)
+        repack_off.append(" ".join([Path(cmd[0]).name, *cmd[1:], *no_repack]))
+        run = subprocess.run([*cmd, *no_repack], check=True, capture_output=True, text=True)
+    return run.stdout + (run.stderr if with_stderr else "")
 
 
 repack_off: list[str] = []  # the commands `run_tool` ran again with llama.cpp's weight repack off
 BENCH_NO_REPACK = ["--repack", "0"]  # llama-bench's flag
-BATCHED_NO_REPACK = ["--no-repack"]  # llama-batched-bench's
+BATCHED_NO_REPACK = ["--no-repack"]  # llama-batched-bench's, llama-perplexity's (llama.cpp's common flags)
 
 
 def single_stream(peers: Path, model: str, tokens: int = 128) -> float:

@@ -4,8 +4,8 @@ jaxllm against `llama-perplexity` on the same file: what int8 activations cost i
 Scored as llama-perplexity scores (`-c 512`): the text's tokens in chunks of 512, each chunk's second half
 predicted from the tokens before it in the chunk (positions 257-511: 255 predictions a chunk), perplexity =
 exp(mean negative log-likelihood). jaxllm runs `LLM()` (its defaults: int8 activations on the host's widest
-integer path) and, in another process, with ``JAXLLM_CPU_INT8_ISA=none`` (float activations); log-likelihoods
-come from ``prompt_logprobs``.
+integer path) and, in other processes, with ``JAXLLM_CPU_INT8_ISA=none`` (float activations) and, on a CPU with
+AMX, ``=amx`` (the opt-in tile path, which rounds differently); log-likelihoods come from ``prompt_logprobs``.
 
     python benchmarks/perplexity.py [--ctx 512] [--json out.json]
 """
@@ -54,9 +54,8 @@ def run_isolated(ctx: int, env: dict) -> dict:
 
 
 def run_llama(peer: Path, model: str, ctx: int) -> dict:
-    proc = subprocess.run([str(peer / "bin" / "llama-perplexity"), "-m", model, "-f", str(TEXT), "-c", str(ctx),
-                           "-t", "2", "-b", str(ctx)], capture_output=True, text=True, check=True)
-    log = proc.stdout + proc.stderr
+    log = peers.run_tool([str(peer / "bin" / "llama-perplexity"), "-m", model, "-f", str(TEXT), "-c", str(ctx),
+                          "-t", "2", "-b", str(ctx)], peers.BATCHED_NO_REPACK, with_stderr=True)
     ppl = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
     chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
     tokens = re.search(r"tokenization took .*?\n.*?(\d+) tokens", log)
@@ -79,6 +78,10 @@ def main() -> None:
 
     results = {"jaxllm (defaults)": run_isolated(args.ctx, {}),
                "jaxllm (float activations)": run_isolated(args.ctx, {"JAXLLM_CPU_INT8_ISA": "none"})}
+    from pallas_kernels.quantized_matmul import isa
+
+    if "amx" in isa.available():  # the opt-in path: its own rounding
+        results["jaxllm (amx)"] = run_isolated(args.ctx, {"JAXLLM_CPU_INT8_ISA": "amx"})
     peer = peers.peer_dir()
     if peer is not None:
         results["llama.cpp"] = run_llama(peer, str(embedded_model_path()), args.ctx)
@@ -89,10 +92,11 @@ def main() -> None:
         print(f"{k:28s} {v['ppl']:9.4f} {v['chunks']!s:>7s}")
     ratios = {}
     if "llama.cpp" in results:
-        for k in ("jaxllm (defaults)", "jaxllm (float activations)"):
+        for k in (k for k in results if k.startswith("jaxllm")):
             ratios[f"{k} / llama.cpp"] = results[k]["ppl"] / results["llama.cpp"]["ppl"]
             print(f"{k} / llama.cpp: {ratios[f'{k} / llama.cpp']:.4f}")
-    machine.save(args.json, host, ctx=args.ctx, results=results, ratios=ratios)
+    machine.save(args.json, host, ctx=args.ctx, results=results, ratios=ratios,
+                 llama_repack_off=sorted(set(peers.repack_off)))
 
 
 if __name__ == "__main__":
