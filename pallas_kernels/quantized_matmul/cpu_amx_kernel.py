@@ -6,9 +6,10 @@ A chunk of 16 weight rows meets the step's inputs 16 at a time, one 32-value blo
 - A tile: 16 inputs' int8 values of the block (`activations`), read in place from the quantized rows;
 - B tile: the 16 weight rows' values of the block, laid out as AMX wants them (4 consecutive values of each row
   side by side, rows across the 64 bytes), unpacked from the weights' own bytes once per block and reused by every
-  input tile (`_prepare`); signed 8-bit weights meet the activations by ``tdpbssd``, unsigned 4-bit by
+  input tile (`_emit_prepare`); signed 8-bit weights meet the activations by ``tdpbssd``, unsigned 4-bit by
   ``tdpbsud``;
 - C tile: each (input, row)'s block sum, an exact int32.
+A step of fewer than 16 inputs gets the same sums from AVX-512 VNNI lane passes on B's rows (`_block_sums_lanes`).
 
 The arithmetic, per output (input t, row r): ``acc = fma(float(sum_b), w_scale * x_d, acc)`` block after block
 (two sub-blocks in order for 16-value groups), then, for formats with an offset, ``acc = fma(offset_term, x_s,
@@ -17,7 +18,7 @@ so a row's result is bit-identical whatever shares its step (batch invariance). 
 lane and scale lanes, so their results differ from this path's by float32 rounding (both are tested against the
 float64 product).
 
-Linux grants a process the AMX tile state only on request (`isa.amx_permitted`); each chunk loads its tile
+Linux grants a process the AMX tile state only on request (`isa.request_amx`); each chunk loads its tile
 configuration (tiles are per thread) and releases the tiles when done.
 """
 
@@ -45,6 +46,7 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     _c,
     _chunk_args,
     _fn,
+    _join,
     _load,
     _mask,
     _ptr,
@@ -109,36 +111,32 @@ def tile_release(typingctx):
     return types.void(), codegen
 
 
-def _concat(b, pieces):
-    while len(pieces) > 1:
-        n = pieces[0].type.count
-        pieces = [b.shuffle_vector(pieces[i], pieces[i + 1], _mask(range(2 * n))) for i in range(0, len(pieces), 2)]
-    return pieces[0]
-
-
 def _transpose(b, rows):
     """16 rows of w int32 each (<w x i32>, w 4 or 8) -> w vectors <16 x i32>, vector g = word g of every row."""
     w = rows[0].type.count
     per = 16 // w  # rows a 16-word vector holds
-    packed = [_concat(b, rows[i:i + per]) for i in range(0, 16, per)]  # element w * i + g: row per*k + i, word g
+    packed = [_join(b, rows[i:i + per]) for i in range(0, 16, per)]  # element w * i + g: row per*k + i, word g
     out = []
     for g in range(w):
         parts = []
         for k in range(0, len(packed), 2):  # two vectors' word g of each row: 2 * per words
             picks = [s * 16 + w * i + g for s in (0, 1) for i in range(per)]
             parts.append(b.shuffle_vector(packed[k], packed[k + 1], _mask(picks)))
-        out.append(_concat(b, parts))
+        out.append(_join(b, parts))
     return out
 
 
+def _row(b, j, rows):
+    """Row j of the chunk, or its last row past the matrix's end (those results are never stored)."""
+    return b.select(b.icmp_signed("<", _c(j), rows), _c(j), b.sub(rows, _c(1)))
+
+
 def _row_floats(b, base, stride, rows, index, half):
-    """<16 x float>: element j the float (float16 or float32) at base + min(j, rows - 1) * stride + index *
-    size (rows past the matrix's end repeat its last: their results are never stored)."""
+    """<16 x float>: element j the float (float16 or float32) at base + `_row` j * stride + index * size."""
     size = 2 if half else 4
     v = ir.Constant(_V, None)
     for j in range(TILE):
-        row = b.select(b.icmp_signed("<", _c(j), rows), _c(j), b.sub(rows, _c(1)))
-        x = _load(b, b.add(base, b.mul(row, stride)), _HALF if half else _F32, b.mul(index, _c(size)),
+        x = _load(b, b.add(base, b.mul(_row(b, j, rows), stride)), _HALF if half else _F32, b.mul(index, _c(size)),
                   align=size)
         v = b.insert_element(v, b.fpext(x, _F32) if half else x, ir.Constant(_I32, j))
     return v
@@ -149,10 +147,8 @@ def _emit_prepare(b, bits, scale_mode, args):
     passes' start (wbuf)."""
     data, p, rows, blk, bbuf, wbuf = args
     width = 4 if bits == 4 else 8  # int32 words of a row's block
-    words = []
-    for j in range(TILE):
-        row = b.select(b.icmp_signed("<", _c(j), rows), _c(j), b.sub(rows, _c(1)))
-        words.append(_load(b, b.add(data, b.mul(row, p)), ir.VectorType(_I32, width), b.mul(blk, _c(4 * width))))
+    words = [_load(b, b.add(data, b.mul(_row(b, j, rows), p)), ir.VectorType(_I32, width), b.mul(blk, _c(4 * width)))
+             for j in range(TILE)]
     columns = _transpose(b, words)
     if bits == 4:  # word g of a row: values 4g..4g+3 in the low nibbles, 16 + 4g.. in the high ones
         nibble = ir.Constant(_VI, [0x0F0F0F0F] * 16)
@@ -205,9 +201,8 @@ def _emit_scales(b, half, scale_mode, off_mode, args):
         """The run's per_row values of every row, as per_row <16 x float> (column i: the run's value i)."""
         rows_v = []
         for j in range(TILE):
-            row = b.select(b.icmp_signed("<", _c(j), rows), _c(j), b.sub(rows, _c(1)))
-            v = _load(b, b.add(base, b.mul(row, scale_stride)), ir.VectorType(_HALF if half else _F32, per_row),
-                      b.mul(b.mul(blk0, _c(subs)), _c(size)), align=size)
+            v = _load(b, b.add(base, b.mul(_row(b, j, rows), scale_stride)),
+                      ir.VectorType(_HALF if half else _F32, per_row), b.mul(blk0, _c(subs * size)), align=size)
             rows_v.append(b.bitcast(b.fpext(v, ir.VectorType(_F32, per_row)) if half else v,
                                     ir.VectorType(_I32, per_row)))
         out = []

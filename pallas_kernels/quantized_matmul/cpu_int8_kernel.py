@@ -15,7 +15,8 @@ started at ``-128 * (x's lane sums)`` on VNNI, as |w| against x with w's sign on
 under 2 * 128 * 127): the same lanes. A decode step (one input) and bigger steps run the same code on blocks of
 weight rows and inputs (`BLOCKS`): a row's values are unpacked once per pair and meet every input of the block.
 Memory traffic is the packed weights and the int8 inputs; the kernel quantizes the inputs itself (`_quantize_row`)
-first."""
+first. The ``amx`` path's chunk loops are `cpu_amx_kernel`'s, with their own arithmetic; the launch, operands and
+input quantization here serve it too."""
 
 from __future__ import annotations
 
