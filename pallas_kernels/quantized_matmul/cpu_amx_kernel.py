@@ -104,6 +104,15 @@ def scratch(typingctx):
 
 
 @intrinsic
+def copy_row(typingctx, dst, src):
+    """16 floats from src (64-byte aligned) to dst: an input's outputs for a whole chunk."""
+    def codegen(context, b, sig, args):
+        b.store(_load(b, args[1], _V, None, align=64), _ptr(b, args[0], _V), align=4)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64), codegen
+
+
+@intrinsic
 def tile_release(typingctx):
     def codegen(context, b, sig, args):
         _tile(b, "tilerelease")
@@ -397,8 +406,11 @@ def chunk_fn(bits: int, half: bool, grouped: bool = False):
                          4 * blocks, acc + 64 * (first - t0), tok - first, m)
                     tok = first + m
             for k in range(t1 - t0):
-                for j in range(rows):
-                    out[t0 + k, r0 + j] = accs[k, j]
+                if rows == TILE:
+                    copy_row(y + 4 * ((t0 + k) * o + r0), acc + 64 * k)
+                else:
+                    for j in range(rows):
+                        out[t0 + k, r0 + j] = accs[k, j]
         if tiles:
             tile_release()
     return chunk
