@@ -34,7 +34,7 @@ from pallas_kernels.cpu_ffi import drop_stale_cache
 
 drop_stale_cache(__file__)
 
-from pallas_kernels.cpu_ffi import ir_fma16, ir_for, load64, stable_key, to_ptr  # noqa: E402 (after the check)
+from pallas_kernels.cpu_ffi import ir_fma16, ir_for, stable_key, to_ptr  # noqa: E402 (after the check)
 from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     AFFINE,
     COARSE,
@@ -44,12 +44,12 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     NO_OFFSET,
     ROWS_PER_CHUNK,
     _c,
-    _chunk_args,
     _fn,
     _join,
     _load,
     _mask,
     _ptr,
+    chunk_setup,
 )
 
 _F32, _HALF = ir.FloatType(), ir.HalfType()
@@ -354,30 +354,10 @@ def chunk_fn(bits: int, half: bool, grouped: bool = False):
     prepare, scales, step = _intrinsics(bits, half)
 
     def chunk(words, c):
-        xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1 = _chunk_args(words, c)
+        (xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1, group, mode,
+         kind) = chunk_setup(words, c, bits, 2 if half else 4, grouped)
         size = 2 if half else 4
         blocks = n // 32
-        if grouped:  # entry c: (weight matrix, first input, inputs, first output row)
-            entry = load64(words + 104) + 32 * c
-            matrix, first, t, r0 = load64(entry), load64(entry + 8), load64(entry + 16), load64(entry + 24)
-            r1 = min(o, r0 + ROWS_PER_CHUNK)
-            xq, xd, xs, y = xq + first * n, xd + first * blocks * 4, xs + first * blocks * 4, y + first * o * 4
-            data, scale = data + matrix * o * p, scale + matrix * o * groups * size
-            offset += matrix * o * offset_groups * size
-        group = 63
-        if groups > 1:
-            group = 0
-            while (1 << group) < n // groups:
-                group += 1
-        mode = G16 if group == 4 else (G32 if group == 5 else COARSE)
-        if bits == 4:
-            kind = 1 if offset_groups > 0 else 0
-        elif mode == G16:
-            kind = 0
-        elif mode == G32:
-            kind = 2 if offset_groups > 0 else 1
-        else:
-            kind = 4 if offset_groups > 0 else 3
         rows = r1 - r0
         data, scale, offset = data + r0 * p, scale + r0 * groups * size, offset + r0 * offset_groups * size
         per = min(t, TOKENS_PER_PASS)

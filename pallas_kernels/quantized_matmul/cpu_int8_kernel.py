@@ -360,6 +360,37 @@ def _chunk_args(words, chunk):
             load64(words + 88), load64(words + 96), r0, min(o, r0 + ROWS_PER_CHUNK))
 
 
+@numba.njit(inline="always", **_KW)
+def chunk_setup(words, c, bits, size, grouped):
+    """A chunk's operands (`_chunk_args`; a grouped matmul's from its launch table entry c: weight matrix, first
+    input, inputs, first output row), the log2 of its scale group (63: one a row), its scale mode and the kind
+    index its loops switch on (`_chunk`'s kinds)."""
+    xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1 = _chunk_args(words, c)
+    blocks = n // 32
+    if grouped:
+        entry = load64(words + 104) + 32 * c
+        matrix, first, t, r0 = load64(entry), load64(entry + 8), load64(entry + 16), load64(entry + 24)
+        r1 = min(o, r0 + ROWS_PER_CHUNK)
+        xq, xd, xs, y = xq + first * n, xd + first * blocks * 4, xs + first * blocks * 4, y + first * o * 4
+        data, scale = data + matrix * o * p, scale + matrix * o * groups * size
+        offset += matrix * o * offset_groups * size
+    group = 63
+    if groups > 1:
+        group = 0
+        while (1 << group) < n // groups:
+            group += 1
+    mode = G16 if group == 4 else (G32 if group == 5 else COARSE)
+    if bits == 4:
+        kind = 1 if offset_groups > 0 else 0
+    elif mode == G16:
+        kind = 0
+    elif mode == G32:
+        kind = 2 if offset_groups > 0 else 1
+    else:
+        kind = 4 if offset_groups > 0 else 3
+    return (xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1, group, mode, kind)
+
+
 # (weight rows, inputs) a pass of a step with several inputs: every pair of them gets a 16-lane accumulator, two
 # registers on 256-bit paths, which have 16: with 4 rows x 2 inputs a quarter of the AVX2 loop's instructions
 # were spills and reloads (1 x 4: a row's unpacked values meet 4 inputs; vnni256 by the same count, unmeasured).
@@ -391,30 +422,10 @@ def _chunk(isa, bits, half, grouped=False):
         """y[:, r0:r1] = the int8 product of the inputs' blocks and rows r0:r1 of W, for the chunk's rows
         (addresses; xq [t, n] int8, xd and xs [t, n / 32] float32, data [o, p] bytes, scale / offset [o, groups]
         / [o, offset_groups], y [t, o] float32)."""
-        xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1 = _chunk_args(words, c)
+        (xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1, group, mode,
+         kind) = chunk_setup(words, c, bits, 2 if half else 4, grouped)
         size = 2 if half else 4
         blocks = n // 32
-        if grouped:  # entry c: (weight matrix, first input, inputs, first output row)
-            entry = load64(words + 104) + 32 * c
-            matrix, first, t, r0 = load64(entry), load64(entry + 8), load64(entry + 16), load64(entry + 24)
-            r1 = min(o, r0 + ROWS_PER_CHUNK)
-            xq, xd, xs, y = xq + first * n, xd + first * blocks * 4, xs + first * blocks * 4, y + first * o * 4
-            data, scale = data + matrix * o * p, scale + matrix * o * groups * size
-            offset += matrix * o * offset_groups * size
-        group = 63
-        if groups > 1:
-            group = 0
-            while (1 << group) < n // groups:
-                group += 1
-        mode = G16 if group == 4 else (G32 if group == 5 else COARSE)
-        if bits == 4:
-            kind = 1 if offset_groups > 0 else 0
-        elif mode == G16:
-            kind = 0
-        elif mode == G32:
-            kind = 2 if offset_groups > 0 else 1
-        else:
-            kind = 4 if offset_groups > 0 else 3
         block = max(1, X_BLOCK_BYTES // n)
         for t0 in range(0, t, block):  # inputs in blocks that stay in L2 while every weight row meets them
             t1 = min(t, t0 + block)
