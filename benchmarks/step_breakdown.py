@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import jax
+import machine
 import workload
 
 PARTS = ("attention", "layer matmuls", "other layer ops", "LM head", "sampling and rest", "host")
@@ -125,7 +126,8 @@ def measure(batch: int, steps: int, quantization: str | None, kv_cache_dtype: st
         events = _load_trace(trace_dir)
     result = breakdown(events, kinds, walls, module)
     result.update(batch=batch, bucket=list(bucket), quantization=quantization or "default",
-                  kv_cache_dtype=jax.numpy.dtype(engine.kv_cache_dtype).name)
+                  kv_cache_dtype=jax.numpy.dtype(engine.kv_cache_dtype).name,
+                  int8_path=engine.model.kernels.int8_isa)
     return result
 
 
@@ -144,8 +146,10 @@ def main() -> None:
     for r in results:
         print(f"{r['batch']:5d} {r['step']:8.2f} " + " ".join(
             f"{r[part]:8.2f} ms {100 * r[part] / r['step']:4.0f}%" for part in PARTS))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    host = machine.describe()
+    print(machine.line(host))
+    if args.json:  # rows, as before; each names the machine
+        Path(args.json).write_text(json.dumps([{**r, "machine": host} for r in results], indent=1))
 
 
 if __name__ == "__main__":
