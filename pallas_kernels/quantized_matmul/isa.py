@@ -88,7 +88,7 @@ def best() -> str | None:
         if not supported(wanted):
             raise ValueError(f"{ENV}={wanted}: {describe()}; cannot run it")
         return wanted
-    paths = [isa for isa in available() if isa in CHOSEN]
+    paths = [isa for isa in CHOSEN if supported(isa)]  # (not asking Linux for AMX unless amx is wanted)
     return paths[0] if paths else None
 
 
