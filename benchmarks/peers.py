@@ -34,6 +34,11 @@ def gguf(peers: Path, kind: str) -> str:
     return str(peers / "gguf" / f"SmolLM2-135M-Instruct.{kind}.gguf")
 
 
+repack_off: list[str] = []  # the commands `run_tool` ran again with llama.cpp's weight repack off
+BENCH_NO_REPACK = ["--repack", "0"]  # llama-bench's flag
+BATCHED_NO_REPACK = ["--no-repack"]  # llama-batched-bench's, llama-perplexity's (llama.cpp's common flags)
+
+
 def run_tool(cmd: list[str], no_repack: list[str], with_stderr: bool = False) -> str:
     """A llama.cpp tool's stdout (and its stderr after it: with_stderr). Where its default run crashes (on a Xeon
     with AMX, llama.cpp's AMX-repacked Q4_1/Q8_0 weights died with SIGSEGV in `llama-batched-bench` and in
@@ -45,11 +50,6 @@ def run_tool(cmd: list[str], no_repack: list[str], with_stderr: bool = False) ->
         repack_off.append(" ".join([Path(cmd[0]).name, *cmd[1:], *no_repack]))
         run = subprocess.run([*cmd, *no_repack], check=True, capture_output=True, text=True)
     return run.stdout + (run.stderr if with_stderr else "")
-
-
-repack_off: list[str] = []  # the commands `run_tool` ran again with llama.cpp's weight repack off
-BENCH_NO_REPACK = ["--repack", "0"]  # llama-bench's flag
-BATCHED_NO_REPACK = ["--no-repack"]  # llama-batched-bench's, llama-perplexity's (llama.cpp's common flags)
 
 
 def single_stream(peers: Path, model: str, tokens: int = 128) -> float:

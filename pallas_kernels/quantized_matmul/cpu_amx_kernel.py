@@ -40,6 +40,7 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     COARSE,
     G16,
     G32,
+    KINDS,
     NEG8,
     NO_OFFSET,
     ROWS_PER_CHUNK,
@@ -133,6 +134,12 @@ def _transpose(b, rows):
             parts.append(b.shuffle_vector(packed[k], packed[k + 1], _mask(picks)))
         out.append(_join(b, parts))
     return out
+
+
+def _splat(b, x, ty):
+    """The scalar x in every lane of a `ty` vector."""
+    return b.shuffle_vector(b.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0)), ir.Constant(ty, None),
+                            _mask([0] * ty.count))
 
 
 def _row(b, j, rows):
@@ -256,8 +263,7 @@ def _block_sums_lanes(b, bits, subs, xq, n, bbuf, wbuf, k):
             word = _load(b, b.add(xq, b.mul(k, n)), _I32, 4 * g, align=4)
             if bits == 8:  # x + 128 a byte (xor on the broadcast vector sends LLVM 22's combiner into a loop)
                 word = b.xor(word, ir.Constant(_I32, 0x80808080 - (1 << 32)))
-            x = b.shuffle_vector(b.insert_element(ir.Constant(_VI, None), word, ir.Constant(_I32, 0)),
-                                 ir.Constant(_VI, None), _mask([0] * 16))
+            x = _splat(b, word, _VI)
             w = _load(b, bbuf, _VI, 64 * g, align=64)
             c = g % len(chains)
             chains[c] = b.call(dot, [chains[c], w, x] if bits == 4 else [chains[c], x, w])
@@ -276,15 +282,11 @@ def _emit_step(b, bits, scale_mode, off_mode, tiles, args):
     scales = [_load(b, sbuf, _V, 64 * s, align=64) for s in range(subs)]
     offsets = _load(b, mbuf, _V, None, align=64) if off_mode != NO_OFFSET else None
 
-    def splat(x):
-        return b.shuffle_vector(b.insert_element(ir.Constant(_V, None), x, ir.Constant(_I32, 0)),
-                                ir.Constant(_V, None), _mask([0] * 16))
-
     def body(i, carried):
         k = b.add(k0, i)
         out = b.add(acc, b.mul(k, _c(64)))
         a = _load(b, out, _V, None, align=64)
-        d = splat(_load(b, xd, _F32, b.mul(k, x_stride), align=4))
+        d = _splat(b, _load(b, xd, _F32, b.mul(k, x_stride), align=4), _V)
         if tiles:
             sums = [_load(b, cbuf, _VI, b.add(b.mul(k, _c(64)), _c(1024 * s)), align=64) for s in range(subs)]
         else:
@@ -292,15 +294,10 @@ def _emit_step(b, bits, scale_mode, off_mode, tiles, args):
         for s in range(subs):
             a = ir_fma16(b, b.sitofp(sums[s], _V), b.fmul(scales[s], d), a)
         if offsets is not None:
-            a = ir_fma16(b, offsets, splat(_load(b, xs, _F32, b.mul(k, x_stride), align=4)), a)
+            a = ir_fma16(b, offsets, _splat(b, _load(b, xs, _F32, b.mul(k, x_stride), align=4), _V), a)
         b.store(a, _ptr(b, out, _V), align=64)
         return []
     ir_for(b, b.sub(m, k0), [], body)
-
-
-# the (scale mode, offset mode) pairs of a data width, indexed as the chunk picks them
-KINDS = {4: ((G32, NEG8), (G32, AFFINE)),
-         8: ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))}
 
 
 def _switch(b, variant, kinds, emit):

@@ -285,6 +285,12 @@ def _dots(isa, bits, half, variants):
 NO_OFFSET, NEG8, AFFINE = 0, 1, 2
 
 
+# The (scale mode, offset mode) pairs of a data width, in the order of the index `chunk_setup` picks (both the lane
+# and the AMX chunk loops switch on it).
+KINDS = {4: ((G32, NEG8), (G32, AFFINE)),
+         8: ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))}
+
+
 @intrinsic
 def _quantize_row(typingctx, x, n, q, d, s):
     """One input row of n float32 at x -> its int8 blocks: q (n int8), d and s (n / 32 float32), exactly as
@@ -409,8 +415,7 @@ def _chunk(isa, bits, half, grouped=False):
     entry, every process). grouped: a chunk of a grouped matmul (`grouped_handler`): its weight matrix, inputs and
     output rows are the launch table's entry c."""
     rows_many, toks = BLOCKS[isa]
-    kinds = ((G32, NEG8), (G32, AFFINE)) if bits == 4 else \
-        ((G16, NO_OFFSET), (G32, NO_OFFSET), (G32, AFFINE), (COARSE, NO_OFFSET), (COARSE, AFFINE))
+    kinds = KINDS[bits]
     # the passes a chunk runs, each compiled once (on 256-bit paths the block is itself a row's pass of toks)
     shapes = tuple(dict.fromkeys(((4, 1), (rows_many, toks), (1, toks), (1, 1))))
     per_kind = len(shapes)
