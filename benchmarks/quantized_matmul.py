@@ -9,6 +9,7 @@ result never depends on the step it shares (batch invariance); this shows what t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -21,6 +22,8 @@ from gguf.quants import quantize
 
 from jaxllm.loading.gguf_quant import FORMATS, repack
 from pallas_kernels.quantized_matmul import cpu, isa, reference
+from pallas_kernels.quantized_matmul.interleave import interleave
+from pallas_kernels.quantized_matmul.interleave import supports as interleave_supports
 
 E, F = 576, 1536
 SHAPES = {"qkv": (960, E), "o": (E, E), "gate_up": (2 * F, E), "down": (E, F)}  # [out, in]
@@ -29,6 +32,13 @@ SHAPES = {"qkv": (960, E), "o": (E, E), "gate_up": (2 * F, E), "down": (E, F)}  
 def _weight(kind: T, shape: tuple[int, int], rng: np.random.Generator):
     raw = quantize(rng.standard_normal(shape).astype(np.float32) * 0.02, kind)
     return jax.tree.map(jnp.asarray, repack(raw, kind, shape)), FORMATS[kind]
+
+
+def _interleaved(fn):
+    """fn on the weight interleaved by 16 rows (what the engine loads for these paths)."""
+    def run(x, w, fmt):
+        return fn(x, w, dataclasses.replace(fmt, interleaved=True))
+    return run
 
 
 def main() -> None:
@@ -43,26 +53,34 @@ def main() -> None:
     # the integer paths first (the engine runs the first here), each this CPU runs
     impls = {**{f"int8 {path}": jax.jit(functools.partial(cpu.matmul, isa=path), static_argnums=2)
                 for path in isa.available()}, **impls}
+    x16 = {f"int8 {path} x16": jax.jit(_interleaved(functools.partial(cpu.matmul, isa=path)), static_argnums=2)
+           for path in cpu.X16_ISAS if path in isa.available()}
+    impls = {**x16, **impls}
     print(f"{'type':5s} {'shape':8s} {'tokens':>6s}  " + "  ".join(f"{k:>18s}" for k in impls) + "  kernel/xla")
     for kind in (T[name] for name in args.types.split(",")):
         for name, shape in SHAPES.items():
             w, fmt = _weight(kind, shape, rng)
+            wx = jax.tree.map(jnp.asarray, interleave(jax.tree.map(np.asarray, w), fmt)) \
+                if interleave_supports(fmt, shape[0]) else None
             for t in (int(v) for v in args.tokens.split(",")):
                 x = jnp.asarray(rng.standard_normal((t, shape[1]), np.float32))
-                out = {k: fn(x, w, fmt).block_until_ready() for k, fn in impls.items()}
+                run = {k: (fn, wx if k.endswith("x16") else w) for k, fn in impls.items()
+                       if wx is not None or not k.endswith("x16")}
+                out = {k: fn(x, ww, fmt).block_until_ready() for k, (fn, ww) in run.items()}
                 for k in out:
                     ref = out["xla tiles"]
                     diff = float(jnp.max(jnp.abs(out[k] - ref)) / jnp.max(jnp.abs(ref)))
                     assert diff < (2e-2 if k.startswith("int8") else 1e-4), (kind.name, name, t, k, diff)
-                times = {k: [] for k in impls}
+                times = {k: [] for k in run}
                 for _ in range(args.rounds):  # alternating, so drifting machine speed hits both alike
-                    for k, fn in impls.items():
+                    for k, (fn, ww) in run.items():
                         start = time.perf_counter()
-                        fn(x, w, fmt).block_until_ready()
+                        fn(x, ww, fmt).block_until_ready()
                         times[k].append(time.perf_counter() - start)
                 med = {k: statistics.median(v) for k, v in times.items()}
                 flops = 2 * t * shape[0] * shape[1]
-                cells = "  ".join(f"{med[k] * 1e3:7.3f} ms {flops / med[k] / 1e9:5.0f} GF/s" for k in impls)
+                cells = "  ".join(f"{med[k] * 1e3:7.3f} ms {flops / med[k] / 1e9:5.0f} GF/s" if k in med else
+                                  f"{'-':>18s}" for k in impls)
                 print(f"{kind.name:5s} {name:8s} {t:6d}  {cells}  {med['xla tiles'] / med['kernel']:9.2f}x")
 
 

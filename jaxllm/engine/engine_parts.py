@@ -20,6 +20,7 @@ from jaxllm.engine.executable_cache import ExecutableCache
 from jaxllm.engine.kv_plan import KVPlan, plan_kv_cache
 from jaxllm.loading import LoadedModel, load_model
 from jaxllm.models.protocol import Model, MultimodalModel
+from jaxllm.models.weight_layout import interleave_weights, wants_interleaved
 from jaxllm.multimodal.image_processor import ImageProcessorConfig
 from jaxllm.multimodal.inputs import MultiModalSpec
 from jaxllm.pooling_params import CLASSIFY, EMBED, GENERATE, Pooling
@@ -94,6 +95,8 @@ def resolve_engine_parts(config: EngineConfig, *, model: Model | None = None, to
     else:
         mesh, name = make_mesh(config.tensor_parallel_size,
                                expert_parallel_size=config.expert_parallel_size), "custom-model"
+    if from_config and wants_interleaved(model):
+        interleave_weights(model)  # the CPU int8 kernel's layout (a model passed in, a caller's, keeps its own)
     if model.kernels.layer_loop == "unrolled":
         model.arrange_layers()  # separate layers on GPU, as loads are (a model passed in that a caller edits
         # as separate layers on CPU is left as it is)

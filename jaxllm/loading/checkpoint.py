@@ -38,6 +38,10 @@ def is_orbax_checkpoint(path: Path) -> bool:
 
 def save_checkpoint(model: LlamaForCausalLM, path: str | Path, tokenizer: Tokenizer | None = None) -> None:
     """Saves the parameters, the config and (if given) the tokenizer in Hugging Face's file layout."""
+    from jaxllm.models.weight_layout import has_interleaved
+    if has_interleaved(model):
+        raise ValueError("this model's weights are interleaved for the CPU int8 kernel (an engine's model): save "
+                         "the model as `load_model` returns it")
     path = Path(path).absolute()
     path.mkdir(parents=True, exist_ok=True)
     import orbax.checkpoint as ocp

@@ -22,10 +22,15 @@ from pallas_kernels.quantized_matmul.reference import grouped_matmul as grouped_
 from pallas_kernels.quantized_matmul.reference import tiled_matmul
 
 TARGET = "jaxllm_cpu_quantized_matmul"
+X16_ISAS = ("vnni512",)  # the int8 paths with loops for weights interleaved by 16 rows (`cpu_x16_kernel`)
 
 
 def int8_target(isa: str) -> str:
     return f"jaxllm_cpu_q8act_matmul_{isa}"
+
+
+def x16_target(isa: str) -> str:
+    return f"jaxllm_cpu_q8act_x16_matmul_{isa}"
 
 
 def grouped_target(isa: str) -> str:
@@ -45,6 +50,9 @@ def register(isa: str | None = None) -> None:
     if isa is not None:
         from pallas_kernels.quantized_matmul.cpu_int8_kernel import handler
         register_once(int8_target(isa), lambda: handler(isa))
+        if isa in X16_ISAS:
+            from pallas_kernels.quantized_matmul.cpu_x16_kernel import handler as x16_handler
+            register_once(x16_target(isa), lambda: x16_handler(isa))
 
 
 def register_grouped(isa: str) -> None:
@@ -71,14 +79,16 @@ def _kernel(x, data, scale, offset, layer):  # [T, in], [L, out, P], [L, out, G]
     return jax.ffi.ffi_call(TARGET, out)(x, data, scale, offset, layer)
 
 
-def int8_kernel(isa, x, data, scale, offset, layer):
+def int8_kernel(isa, x, data, scale, offset, layer, interleaved: bool = False):
     """-> (y, the int8 blocks of x): the kernel quantizes x itself (as `activations.quantize`) into scratch
-    outputs the step drops: one custom call, not an XLA fusion before each matmul."""
+    outputs the step drops: one custom call, not an XLA fusion before each matmul. interleaved: the weight's
+    arrays are interleaved by 16 rows (`interleave`; `isa` one of X16_ISAS)."""
     register(isa)
     t, n = x.shape
     out = (jax.ShapeDtypeStruct((t, data.shape[1]), jnp.float32), jax.ShapeDtypeStruct((t, n), jnp.int8),
            *[jax.ShapeDtypeStruct((t, n // activations.BLOCK), jnp.float32)] * 2)
-    y, *blocks = jax.ffi.ffi_call(int8_target(isa), out)(x, data, scale, offset, layer)
+    target = x16_target(isa) if interleaved else int8_target(isa)
+    y, *blocks = jax.ffi.ffi_call(target, out)(x, data, scale, offset, layer)
     return y, activations.Int8Activations(*blocks)
 
 
@@ -86,7 +96,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
            isa: str | None = None) -> jax.Array:
     """x [..., in] @ dequantize(w)[out, in]^T -> [..., out]; with `layer`, w's arrays are stacks [layers, ...]
     read in place at `layer`. isa: the int8 kernel's path (`isa.best()`), None for float activations."""
-    if not applies(x):
+    if not applies(x) or (fmt.interleaved and not (isa in X16_ISAS and int8_applies(x, fmt))):
         return tiled_matmul(x, w, fmt, layer)
     data, scale, offset = w
     if offset is None:
@@ -96,7 +106,7 @@ def matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.Array 
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     x2 = x.reshape(-1, x.shape[-1])
     if isa is not None and int8_applies(x, fmt):
-        y = int8_kernel(isa, x2, data, scale, offset, index)[0]
+        y = int8_kernel(isa, x2, data, scale, offset, index, fmt.interleaved)[0]
     else:
         y = _kernel(x2, data, scale, offset, index)
     return y.reshape(*x.shape[:-1], data.shape[1])

@@ -29,6 +29,7 @@ class QuantFormat:
     affine: bool  # an offset per group
     scale_dtype: str  # "float16" or "float32"
     name: str = dataclasses.field(default="", compare=False)  # where it came from (q4_1, int8, ...), for logs
+    interleaved: bool = False  # the arrays interleaved by 16 rows (`interleave`), for the CPU int8 kernel
 
     def __post_init__(self):
         if self.bits not in (4, 8):
@@ -39,6 +40,8 @@ class QuantFormat:
             raise ValueError(f"group must be 0 (per channel) or a power of two >= 16, not {self.group}")
         if self.scale_dtype not in ("float16", "float32"):
             raise ValueError(f"scale_dtype must be float16 or float32, not {self.scale_dtype!r}")
+        if self.interleaved and self.group != 32:
+            raise ValueError("only weights grouped by 32 are interleaved")
 
     def groups(self, in_features: int) -> int:
         if self.group and in_features % self.group:
@@ -67,6 +70,8 @@ class QuantFormat:
     def join(self, other: QuantFormat | None) -> QuantFormat | None:
         """One format that holds both losslessly (None: float), for a parameter whose parts (fused q/k/v, a
         stack of layers) come in different formats: 8-bit, the finer group, affine if either is."""
+        if self.interleaved or (other is not None and other.interleaved):
+            raise ValueError("interleaved weights are not joined (interleave after fusing)")
         if other is None or other == self:
             return None if other is None else self
         if 0 in (self.group, other.group):

@@ -5,12 +5,15 @@ whole float matrix never exists."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import dot_precision, take_layer
 from pallas_kernels.expert_matmul import expert_matmul
 from pallas_kernels.quantized_matmul.format import GROUP_4BIT, QuantFormat, QuantizedWeight
+from pallas_kernels.quantized_matmul.interleave import ROWS, deinterleave_jnp, take_rows_jnp
 
 
 def unpack(data: jax.Array, fmt: QuantFormat) -> jax.Array:
@@ -24,7 +27,10 @@ def unpack(data: jax.Array, fmt: QuantFormat) -> jax.Array:
 
 
 def dequantize(w: QuantizedWeight, fmt: QuantFormat, dtype=jnp.float32) -> jax.Array:
-    """-> [..., out, in] of `dtype`, computed in float32 as ``q * scale + offset``."""
+    """-> [..., out, in] of `dtype`, computed in float32 as ``q * scale + offset`` (interleaved arrays put back in
+    row order first)."""
+    if fmt.interleaved:
+        w = deinterleave_jnp(w, fmt)
     q = unpack(w.data, fmt)
     *lead, out, n = q.shape
     groups = w.scale.shape[-1]
@@ -39,6 +45,8 @@ def dequantize(w: QuantizedWeight, fmt: QuantFormat, dtype=jnp.float32) -> jax.A
 
 def take_rows(w: QuantizedWeight, fmt: QuantFormat, ids: jax.Array, dtype=jnp.float32) -> jax.Array:
     """Rows `ids` of W, dequantized: an embedding lookup. ids [...] -> [..., in]."""
+    if fmt.interleaved:
+        return dequantize(take_rows_jnp(w, fmt, ids), dataclasses.replace(fmt, interleaved=False), dtype)
     rows = QuantizedWeight(*(None if a is None else jnp.take(a, ids, axis=0) for a in w))
     return dequantize(rows, fmt, dtype)
 
@@ -85,7 +93,8 @@ def tiled_matmul(x: jax.Array, w: QuantizedWeight, fmt: QuantFormat, layer: jax.
     """`matmul` one tile of weight rows at a time (a loop in the step), dequantizing only that tile."""
     stacked = layer is not None
     out = w.data.shape[-2]
-    tiles = row_tiles(out, max_tile)
+    # an interleaved weight is cut between its 16-row groups: each tile is an interleaved weight of its own
+    tiles = row_tiles(out // ROWS, max(1, max_tile // ROWS)) if fmt.interleaved else row_tiles(out, max_tile)
     if tiles == 1:
         return matmul(x, w, fmt, layer)
     rows = out // tiles
