@@ -5,6 +5,8 @@ Two kernels, one per kind of activation:
 - `cpu_int8_kernel` (with an integer dot-product path, `isa`): the activations quantized per 32 values to int8
   in the step (`activations`), integer dot products against the weights' own integers, as llama.cpp does;
 - `cpu_kernel` (float activations): each weight dequantized to float32 and multiplied by the float input.
+A weight interleaved by 16 rows (`interleave`: what the engine loads for an int8 path in X16_ISAS) runs that
+path's interleaved loops (`cpu_x16_kernel`); without them, `reference.tiled_matmul` reads it.
 Either runs one kernel for every row count, which is what makes quantized outputs batch invariant: a row's
 result is bit-identical whether its step has 1 row or 4096 (switching to XLA's dot above some size would round
 differently). Inputs a kernel does not take (not float32, rows not a multiple of its blocks, an int8 path for a
