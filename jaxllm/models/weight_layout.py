@@ -6,8 +6,8 @@ keep row order.
 
 Interleaving permutes values inside each 16-row group and keeps every array's shape, so a model's structure,
 buckets and sharding specs do not change; its format is part of the graph definition (the step is traced and
-cached for it). A checkpoint is saved in row order only (`jaxllm.loading.checkpoint.save` refuses interleaved
-weights)."""
+cached for it). A checkpoint is saved in row order only (`jaxllm.loading.checkpoint.save_checkpoint` refuses an
+interleaved model)."""
 
 from __future__ import annotations
 
