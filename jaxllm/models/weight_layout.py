@@ -46,10 +46,9 @@ def interleave_weights(model: nnx.Module) -> int:
     for m in _quantized(model):
         fmt = m.quant
         params = _params(m)
-        data = params[0].get_value()
-        if fmt.interleaved or not supports(fmt, data.shape[-2]):
-            continue
         arrays = [None if p is None else p.get_value() for p in params]
+        if fmt.interleaved or not supports(fmt, arrays[0].shape[-2]):
+            continue
         out = interleave(QuantizedWeight(*(None if a is None else np.asarray(a) for a in arrays)), fmt)
         for p, old, new in zip(params, arrays, out, strict=True):
             if p is not None:

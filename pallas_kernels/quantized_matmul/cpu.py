@@ -53,8 +53,7 @@ def register(isa: str | None = None) -> None:
         from pallas_kernels.quantized_matmul.cpu_int8_kernel import handler
         register_once(int8_target(isa), lambda: handler(isa))
         if isa in X16_ISAS:
-            from pallas_kernels.quantized_matmul.cpu_x16_kernel import handler as x16_handler
-            register_once(x16_target(isa), lambda: x16_handler(isa))
+            register_once(x16_target(isa), lambda: handler(isa, interleaved=True))
 
 
 def register_grouped(isa: str) -> None:

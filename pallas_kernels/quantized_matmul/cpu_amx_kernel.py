@@ -50,6 +50,7 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     _load,
     _mask,
     _ptr,
+    _splat,
     chunk_setup,
 )
 
@@ -134,12 +135,6 @@ def _transpose(b, rows):
             parts.append(b.shuffle_vector(packed[k], packed[k + 1], _mask(picks)))
         out.append(_join(b, parts))
     return out
-
-
-def _splat(b, x, ty):
-    """The scalar x in every lane of a `ty` vector."""
-    return b.shuffle_vector(b.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0)), ir.Constant(ty, None),
-                            _mask([0] * ty.count))
 
 
 def _row(b, j, rows):

@@ -95,6 +95,12 @@ def _split(b, v, parts):
     return [b.shuffle_vector(v, v, _mask(range(i * n, (i + 1) * n))) for i in range(parts)]
 
 
+def _splat(b, x, ty):
+    """The scalar x in every lane of a `ty` vector."""
+    return b.shuffle_vector(b.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0)), ir.Constant(ty, None),
+                            _mask([0] * ty.count))
+
+
 def _join(b, pieces):
     while len(pieces) > 1:
         n = pieces[0].type.count
@@ -467,19 +473,24 @@ LAYOUTS = ("q4_f16", "q4_f32", "q8_f16", "q8_f32")
 
 
 @functools.cache
-def handler(isa: str):
+def handler(isa: str, interleaved: bool = False):
     """The XLA:CPU FFI handler (a numba cfunc, ``pallas_kernels.cpu_ffi.HANDLER``) of `isa`'s path, compiled (or
-    loaded from numba's disk cache) on first use: a path is only ever built on a CPU that runs it."""
-    if not isa_mod.supported(isa):
-        raise ValueError(f"no {isa} path here ({isa_mod.describe()})")
-    return _build(isa)
+    loaded from numba's disk cache) on first use: a path is only ever built on a CPU that runs it. interleaved:
+    the loops for weights interleaved by 16 rows (`cpu_x16_kernel`; `isa` one of `cpu.X16_ISAS`)."""
+    from pallas_kernels.quantized_matmul.cpu import X16_ISAS
+    if not isa_mod.supported(isa) or (interleaved and isa not in X16_ISAS):
+        raise ValueError(f"no {'interleaved ' if interleaved else ''}{isa} path here ({isa_mod.describe()})")
+    return _build(isa, interleaved)
 
 
-def _chunk_symbols(isa: str, grouped: bool = False) -> tuple:
+def _chunk_symbols(isa: str, grouped: bool = False, interleaved: bool = False) -> tuple:
     """Compiles (or loads) `isa`'s four chunk loops (4-/8-bit data, float16/float32 scales; a grouped matmul's
-    with `grouped`) and returns the intrinsics of their addresses, in LAYOUTS order."""
-    kind = "grouped_chunk" if grouped else "chunk"
-    if isa == "amx":
+    with `grouped`, the interleaved weights' with `interleaved`) and returns the intrinsics of their addresses, in
+    LAYOUTS order."""
+    kind = "grouped_chunk" if grouped else "x16_chunk" if interleaved else "chunk"
+    if interleaved:
+        from pallas_kernels.quantized_matmul.cpu_x16_kernel import chunk_fn
+    elif isa == "amx":
         isa_mod.request_amx()
         from pallas_kernels.quantized_matmul.cpu_amx_kernel import chunk_fn
     else:
@@ -517,9 +528,10 @@ def _pick(four_bit, scale_size, q4_f16, q4_f32, q8_f16, q8_f32):
     return q8_f16 if scale_size == 2 else q8_f32
 
 
-def _build(isa: str):
-    """The handler of one path, dispatching to four chunk loops (4-/8-bit data, float16/float32 scales)."""
-    q4_f16, q4_f32, q8_f16, q8_f32 = _chunk_symbols(isa)
+def _build(isa: str, interleaved: bool):
+    """The handler of one path, dispatching to four chunk loops (4-/8-bit data, float16/float32 scales), 16 output
+    rows a chunk (`cpu_x16_kernel`'s: one 16-row group)."""
+    q4_f16, q4_f32, q8_f16, q8_f32 = _chunk_symbols(isa, interleaved=interleaved)
 
     def ffi_handler(frame_ptr):
         """Inputs: x [T, in] f32, data [L, out, P] u8/s8, scale [L, out, G] f16/f32, offset [L, out, G' or 0],

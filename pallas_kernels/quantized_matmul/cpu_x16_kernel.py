@@ -16,9 +16,6 @@ product)."""
 
 from __future__ import annotations
 
-import functools
-
-import numba
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
@@ -28,39 +25,21 @@ from pallas_kernels.cpu_ffi import drop_stale_cache
 drop_stale_cache(__file__)
 
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
-    HANDLER,
-    buffer,
-    export_symbol,
     ir_fma16,
     ir_for,
-    is_execute,
-    launch,
-    load32,
     stable_key,
-    symbol,
-    to_int,
-    to_ptr,
 )
-from pallas_kernels.quantized_matmul import isa as isa_mod  # noqa: E402
-from pallas_kernels.quantized_matmul.cpu import X16_ISAS as ISAS  # noqa: E402
 from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
-    _CACHE,
-    _KEEP,
     AFFINE,
     G32,
     KINDS,
-    LAYOUTS,
     NEG8,
-    QUANTIZE_ROWS,
     ROWS_PER_CHUNK,
     _c,
     _fn,
     _load,
-    _mask,
-    _operands,
-    _pick,
     _ptr,
-    _quantize_chunk_fn,
+    _splat,
     chunk_setup,
 )
 from pallas_kernels.quantized_matmul.interleave import ROWS  # noqa: E402
@@ -72,11 +51,6 @@ _VI = ir.VectorType(_I32, 16)
 
 MAX_INPUTS = 8  # inputs a pass: 8 weight words, 8 accumulators and their sums fit AVX-512's 32 registers
 assert ROWS_PER_CHUNK == ROWS
-
-
-def _splat(b, x, ty):
-    return b.shuffle_vector(b.insert_element(ir.Constant(ty, None), x, ir.Constant(_I32, 0)), ir.Constant(ty, None),
-                            _mask([0] * ty.count))
 
 
 def _emit_pass(b, bits, half, off_mode, m, args):
@@ -168,8 +142,11 @@ def _passes(bits, half):
     return stable_key(passes, __name__, "passes", bits, half, MAX_INPUTS)
 
 
-def chunk_fn(bits: int, half: bool):
-    """The loop over one 16-row group's passes (`cpu_int8_kernel._chunk`'s contract, the same launch words)."""
+def chunk_fn(bits: int, half: bool, grouped: bool = False):
+    """The loop over one 16-row group's passes (`cpu_int8_kernel._chunk`'s contract, the same launch words; the
+    launch and handler are `cpu_int8_kernel`'s). Experts' stacks are never interleaved (no grouped loops)."""
+    if grouped:
+        raise ValueError("experts' weights are not interleaved")
     passes = _passes(bits, half)
     size = 2 if half else 4
 
@@ -186,38 +163,3 @@ def chunk_fn(bits: int, half: bool):
                    xs + 4 * t0 * blocks, 4 * blocks, blocks, y + 4 * (t0 * o + r0), 4 * o, ahead)
             t0 += m
     return chunk
-
-
-@functools.cache
-def handler(isa: str):
-    """The FFI handler of `isa`'s interleaved loops (the operands of `cpu_int8_kernel.handler`, the weight's arrays
-    interleaved), compiled (or loaded from numba's disk cache) on first use."""
-    if isa not in ISAS or not isa_mod.supported(isa):
-        raise ValueError(f"no interleaved {isa} path here ({isa_mod.describe()})")
-    syms = []
-    for layout in LAYOUTS:
-        cfunc = numba.cfunc(types.void(types.int64, types.int64), **_CACHE)(
-            chunk_fn(4 if layout[1] == "4" else 8, layout.endswith("f16")))
-        name = f"jaxllm_cpu_q8act_x16_chunk_{isa}_{layout}"
-        export_symbol(name, cfunc.address)
-        _KEEP.append(cfunc)
-        syms.append(symbol(name, True))
-    q4_f16, q4_f32, q8_f16, q8_f32 = syms
-
-    def ffi_handler(frame_ptr):
-        frame = to_int(frame_ptr)
-        if is_execute(frame):
-            (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
-             matrices) = _operands(frame)
-            layer_p, _ = buffer(frame, 4)
-            layer = min(max(load32(layer_p), 0), matrices - 1)
-            d_p += layer * o * p
-            s_p += layer * o * groups * scale_size
-            o_p += layer * o * offset_groups * scale_size
-            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
-                   _quantize_chunk_fn(), True)
-            fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
-            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups),
-                   o // ROWS, fn, True)
-        return to_ptr(0)
-    return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)

@@ -14,8 +14,8 @@ Four paths, widest first:
 
 ``vnni512`` also has loops for weights interleaved by 16 rows (`interleave`, `cpu_x16_kernel`), which an engine
 lays out at load where this path is chosen: they sum whole blocks as ``amx`` does (bit-identical to it) and run
-every step size 1.1-2.7x faster than the lane loops on SmolLM2's shapes. The lane loops serve what is not
-interleaved (formats without 32-value groups, weights split over devices, a model passed in).
+every step size 1.0-2.7x as fast as the lane loops on SmolLM2's shapes (docs/performance.md). The lane loops serve
+what is not interleaved (formats without 32-value groups, weights split over devices, a model passed in).
 
 The three lane paths multiply 64 unsigned bytes by 64 signed bytes and sum each run of 4 products into one of 16
 int32 lanes, the same exact lanes on every one (no int16 saturation: the kernel keeps each product pair under
