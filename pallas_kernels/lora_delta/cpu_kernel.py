@@ -1,14 +1,13 @@
 """The CPU adapter-term kernel: two passes over XLA's thread pool, each reading the tables in place (no gathered
 copies). First ``u[t] = A[layer, s_t] x[t]`` by blocks of A's rows (every token of the step against the rows of its
-own slot: tokens that share an adapter read its rows from cache); then, by blocks of output columns,
-``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]``: with B stored transposed ([R, out]) each rank's term
-is one multiply-add over a block's contiguous outputs (a vector loop; gate/up's alternating outputs take each
-rank's two coefficients laid out as the parts alternate, and any other block holding several parts of a fused
-layer sums each part over the block and keeps each output's own). Summed as 16-long dots per (token, output)
-instead, the pass ran at ~1 GMAC/s. A step of a few tokens (a decode step) streams each token's B rows instead
-(`b_rows_streamed`), which reads the tables from memory faster. A token without an adapter gets exact zeros.
-Each element's sums run in a fixed order over its own token's values, so a token's result does not depend on the
-others or on the thread split.
+own slot: tokens that share an adapter read its rows from cache); then, by runs of output columns,
+``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]`` with B stored transposed ([R, out]) (`b_rows`): a step
+of a few tokens (a decode step) streams each token's B rows rank by rank, each rank's term one vector multiply-add
+over a run of contiguous outputs (`axpy`: one stream, which reads the tables from memory faster); bigger steps sum
+every rank of 64 outputs at a time in registers (`expand`: 4 independent chains of 16-output FMAs over the ranks,
+2-2.5x the rank-by-rank loop on a 32-token step), gate/up's alternating outputs taking each rank's two coefficients
+lane by lane. Both sum each output's rank terms from zero, ranks in order, one fma each, so a token's result does
+not depend on the path, on the others or on the thread split. A token without an adapter gets exact zeros.
 Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
 as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes."""
 
@@ -16,7 +15,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import carray, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from pallas_kernels.cpu_ffi import drop_stale_cache
 
@@ -30,6 +32,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     buffer_dtype,
     dim,
     export_symbol,
+    ir_for,
     is_execute,
     launch,
     load32,
@@ -43,15 +46,137 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
 ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
-COLS_PER_CHUNK = 64  # the second pass's outputs per chunk: a multiple of 64, so that a chunk of q/k/v (whose
-# parts run a head_dim of 64 or more each) holds one part
-ALTERNATING_COLS = 256  # the same for a layer whose outputs alternate parts (gate/up): PATTERN's cost spread thinner
-PATTERN = 64  # outputs a rank's coefficient pattern covers (alternating parts)
+COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v's parts: a run is never cut)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows (`b_rows_streamed`)
 STREAM_PATTERN = 512  # outputs a rank's coefficient pattern covers there (alternating parts)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
+
+
+_F32, _I16, _I32, _I64 = ir.FloatType(), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_VEC = 16  # outputs a vector FMA of the second pass
+_CHAINS = 4  # independent accumulators of the second pass's rank sums (an FMA's latency over its throughput)
+
+
+def _widened(b, addr, element, count):
+    """`count` table elements at addr as <count x float> (`cpu_ffi.widen`'s conversions)."""
+    if element == types.float32:
+        return b.load(b.inttoptr(addr, ir.VectorType(_F32, count).as_pointer()), align=4)
+    bits = b.load(b.inttoptr(addr, ir.VectorType(_I16, count).as_pointer()), align=2)
+    if element == types.uint16:  # float16
+        return b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), count)), ir.VectorType(_F32, count))
+    wide = b.shl(b.zext(bits, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count), [16] * count))
+    return b.bitcast(wide, ir.VectorType(_F32, count))  # bfloat16: the upper half of a float32
+
+
+def _axpy(b, dst, src, coef, n, element, by_element):
+    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: c_i is coef (a float) or,
+    by_element, the float at coef + 4 i. One rounding per element either way, so a result never depends on n or
+    on where the vector part ends."""
+    size = 2 if element in (types.uint16, types.int16) else 4
+
+    def run(count, start):
+        vf = ir.VectorType(_F32, count)
+        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3),
+                                             f"llvm.fma.v{count}f32")
+
+        def body(i, _):
+            at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
+            d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
+            w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
+            if by_element:
+                c = b.load(b.inttoptr(b.add(coef, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
+            else:
+                c = b.insert_element(ir.Constant(vf, None), coef, ir.Constant(_I32, 0))
+                c = b.shuffle_vector(c, ir.Constant(vf, None), ir.Constant(ir.VectorType(_I32, count), [0] * count))
+            b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
+            return []
+        return body
+
+    vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
+    ir_for(b, vectors, [], run(_VEC, ir.Constant(_I64, 0)))
+    done = b.mul(vectors, ir.Constant(_I64, _VEC))
+    ir_for(b, b.sub(n, done), [], run(1, done))
+
+
+@intrinsic
+def axpy(typingctx, dst, src, coef, n, element):
+    """dst[0:n] (float32, address) += coef * src[0:n] (table elements of `element`'s type, address), each one fma."""
+    def codegen(context, b, sig, args):
+        _axpy(b, args[0], args[1], args[2], args[3], sig.args[4], False)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.float32, types.int64, element), codegen
+
+
+@intrinsic
+def axpy_by(typingctx, dst, src, coefs, n, element):
+    """`axpy` with each element's own coefficient: dst[i] += coefs[i] * src[i] (coefs: float32 address)."""
+    def codegen(context, b, sig, args):
+        _axpy(b, args[0], args[1], args[2], args[3], sig.args[4], True)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64, types.int64, element), codegen
+
+
+def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
+    """y[i] = sum over ranks r in order, from zero, of fma(c_r(i), widen(src[r * stride + i]), .) for i < n, the
+    rank sums of _VEC x _CHAINS outputs in registers (independent FMA chains), then _VEC, then one at a time:
+    c_r(i) is the float at c0 + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at
+    c1 + 4 r for odd i."""
+    size = 2 if element in (types.uint16, types.int16) else 4
+
+    def run(count, chains, start):
+        vf, vi = ir.VectorType(_F32, count), ir.VectorType(_I32, count)
+        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{count}f32")
+
+        def splat(addr):
+            v = b.insert_element(ir.Constant(vf, None), b.load(b.inttoptr(addr, _F32.as_pointer()), align=4),
+                                 ir.Constant(_I32, 0))
+            return b.shuffle_vector(v, ir.Constant(vf, None), ir.Constant(vi, [0] * count))
+
+        def body(i, _):
+            at = b.add(start, b.mul(i, ir.Constant(_I64, count * chains)))
+            if count == 1:
+                odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
+                odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd, ir.Constant(_I32, 0))
+            else:  # `at` is a multiple of _VEC: lane j's parity is j's
+                odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
+
+            def rank_step(r, accs):
+                c = splat(b.add(c0, b.mul(r, ir.Constant(_I64, 4))))
+                if alternating:
+                    c = b.select(odd, splat(b.add(c1, b.mul(r, ir.Constant(_I64, 4)))), c)
+                row = b.add(b.mul(r, stride), at)
+                return [b.call(fma, [c, _widened(b, b.add(src, b.mul(b.add(row, ir.Constant(_I64, count * j)),
+                                                                     ir.Constant(_I64, size))), element, count), a])
+                        for j, a in enumerate(accs)]
+            accs = ir_for(b, rank, [ir.Constant(vf, [0.0] * count)] * chains, rank_step)
+            for j, acc in enumerate(accs):
+                at_j = b.add(at, ir.Constant(_I64, count * j))
+                b.store(acc, b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
+            return []
+        return body
+
+    done = ir.Constant(_I64, 0)
+    for count, chains in ((_VEC, _CHAINS), (_VEC, 1), (1, 1)):
+        steps = b.sdiv(b.sub(n, done), ir.Constant(_I64, count * chains))
+        ir_for(b, steps, [], run(count, chains, done))
+        done = b.add(done, b.mul(steps, ir.Constant(_I64, count * chains)))
+
+
+def _expand_intrinsic(alternating):
+    @intrinsic
+    def expand(typingctx, y, src, stride, c0, c1, rank, n, element):
+        """y[0:n] (float32 address) = the rank terms of src (B rows of `element`'s type from address src, `stride`
+        elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
+        def codegen(context, b, sig, args):
+            _expand(b, *args[:7], sig.args[7], alternating)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 7, element), codegen
+    return expand
+
+
+expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
 
 
 @numba.njit(**_KW)
@@ -71,75 +196,13 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 
 
 @numba.njit(**_KW)
-def b_blocks(b, parts_p, alternating, slots, u, y, o0, o1, cols):
-    """y[:, o0:o1], by blocks of `cols` outputs: for each token, each part among a block's outputs summed over the
-    rank into the block (one scratch for every block: a decode step of one token has ~40 blocks a layer).
-    alternating: the outputs alternate parts 0 and 1 (fused gate/up), parts_p is then unused.
-    The loops index slices by range variables alone: an index numba cannot prove non-negative gets a wraparound
-    test per element, and the loop is no longer vectorized (4x slower)."""
-    n_slots, rank = b.shape[0], b.shape[1]
-    part = np.empty(cols, np.int32)
-    acc = np.empty(cols, np.float32)
-    pattern = np.empty(PATTERN, np.float32)
-    for start in range(o0, o1, cols):
-        stop = min(o1, start + cols)
-        n = stop - start
-        whole = alternating and n % PATTERN == 0 and start % 2 == 0  # a whole number of patterns, gate first
-        first, last = 0, 0
-        if alternating and not whole:
-            for o in range(n):
-                part[o] = (start + o) % 2
-            first, last = part[:n].min(), part[:n].max()
-        elif parts_p != 0:
-            for o in range(n):
-                part[o] = load32(parts_p + 4 * (start + o))
-            first, last = part[:n].min(), part[:n].max()
-        for tok in range(y.shape[0]):
-            s = slots[tok]
-            row = y[tok, start:stop]
-            if s < 0 or s >= n_slots:
-                row[:] = np.float32(0.0)
-                continue
-            block = acc[:n]
-            if whole:  # gate, up, gate, up...: each rank's two coefficients laid out as the outputs' parts
-                # are, once, for every PATTERN outputs of the block (a pass per part computed each output twice)
-                block[:] = np.float32(0.0)
-                for r in range(rank):
-                    c0, c1 = u[tok, r], u[tok, rank + r]
-                    for o in range(PATTERN):
-                        pattern[o] = c1 if o & 1 else c0
-                    bt = b[s, r, start:stop]
-                    for k in range(n // PATTERN):
-                        acc_k = block[k * PATTERN:(k + 1) * PATTERN]
-                        bt_k = bt[k * PATTERN:(k + 1) * PATTERN]
-                        for o in range(PATTERN):
-                            acc_k[o] += pattern[o] * widen(bt_k[o])
-                row[:] = block
-                continue
-            for p in range(first, last + 1):
-                block[:] = np.float32(0.0)
-                for r in range(rank):
-                    coef = u[tok, p * rank + r]
-                    bt = b[s, r, start:stop]
-                    for o in range(n):
-                        block[o] += coef * widen(bt[o])
-                if first == last:
-                    row[:] = block
-                else:
-                    for o in range(n):
-                        if part[o] == p:
-                            row[o] = block[o]
-
-
-@numba.njit(**_KW)
-def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
-    """y[:, o0:o1] for each token rank by rank: the token's B rows are read once each, front to back, one stream
-    (`b_blocks` reads a block of every rank's row at once: R streams, which the prefetchers follow poorly when the
-    tables come from memory, as a decode step's do), each rank's term added over runs of outputs of one part (a
-    row of o or down is one run, q/k/v's a run per head group and part) or, for gate/up's alternating outputs,
-    over STREAM_PATTERN outputs at a time (the loops long: per short block, a 64-output loop ran at a third of the
-    first pass's rate). Each output sums its rank terms in `b_blocks`' order (from zero, ranks in order), so a
-    token's result is the same on either path."""
+def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=False):
+    """y[:, o0:o1] token by token, over runs of outputs of one part (a row of o or down is one run, q/k/v's a run
+    per head group and part) or, for gate/up's alternating outputs, whole patterns of STREAM_PATTERN outputs.
+    in_registers: each run's rank sums in registers (`expand`: R streams at once, for tables in cache); otherwise
+    rank by rank, the token's B rows read once each, front to back, one stream (what the prefetchers follow when a
+    decode step reads the tables from memory). Either way each output sums its rank terms from zero, ranks in
+    order, one fma each (a run of mixed parts, each output its own coefficient, in numba's loop)."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
     whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
@@ -163,12 +226,29 @@ def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
                 n_runs += 1
                 start = o
     pattern = np.empty(STREAM_PATTERN, np.float32)
+    stride = b.shape[2]
     for tok in range(y.shape[0]):
         s = slots[tok]
         row = y[tok, o0:o1]
         row[:] = np.float32(0.0)
         if s < 0 or s >= n_slots:
             continue
+        if in_registers:
+            bt = b[s, 0, o0:o1]
+            if whole:
+                expand_alternating(row.ctypes.data, bt.ctypes.data, stride, u[tok, :rank].ctypes.data,
+                                   u[tok, rank:].ctypes.data, rank, out, bt[0])
+                continue
+            mixed = False
+            for k in range(n_runs):
+                start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
+                if p >= 0:
+                    expand(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
+                           u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
+                else:
+                    mixed = True
+            if not mixed:
+                continue
         for r in range(rank):
             bt = b[s, r, o0:o1]
             if whole:
@@ -176,20 +256,16 @@ def b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, o1):
                 for o in range(STREAM_PATTERN):
                     pattern[o] = c1 if o & 1 else c0
                 for k in range(out // STREAM_PATTERN):
-                    row_k = row[k * STREAM_PATTERN:(k + 1) * STREAM_PATTERN]
-                    bt_k = bt[k * STREAM_PATTERN:(k + 1) * STREAM_PATTERN]
-                    for o in range(STREAM_PATTERN):
-                        row_k[o] += pattern[o] * widen(bt_k[o])
+                    axpy_by(row.ctypes.data + 4 * k * STREAM_PATTERN, bt.ctypes.data + bt.itemsize * k * STREAM_PATTERN,
+                            pattern.ctypes.data, STREAM_PATTERN, bt[0])
                 continue
             for k in range(n_runs):
                 start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
                 row_k = row[start:start + n]
                 bt_k = bt[start:start + n]
-                if p >= 0:
-                    coef = u[tok, p * rank + r]
-                    for o in range(n):
-                        row_k[o] += coef * widen(bt_k[o])
-                else:
+                if p >= 0 and not in_registers:
+                    axpy(row_k.ctypes.data, bt_k.ctypes.data, u[tok, p * rank + r], n, bt_k[0])
+                elif p < 0:
                     part_k = part[start:start + n]
                     for o in range(n):
                         row_k[o] += u[tok, part_k[o] * rank + r] * widen(bt_k[o])
@@ -226,25 +302,16 @@ def a_rows(words, chunk, table_type):
     a_block(x, a, slots, u, t0, min(x.shape[0], t0 + TOKENS_PER_CHUNK), r0, min(a.shape[1], r0 + ROWS_PER_CHUNK))
 
 
-@numba.njit(inline="always", **_KW)
-def _cols(alternating):
-    """The second pass's outputs per block."""
-    return ALTERNATING_COLS if alternating else COLS_PER_CHUNK
-
-
 @numba.njit(**_KW)
 def b_rows(words, chunk, table_type):
-    """The second pass's chunk: a block of outputs for every token."""
+    """The second pass's chunk: a block of outputs for every token (their rank sums in registers past
+    STREAMED_TOKENS tokens, each token's B rows streamed up to it)."""
     _, _, b, parts_p, slots, u, y = _arrays(words, table_type)
     alternating = load64(words + 104) != 0
-    cols = _cols(alternating)
-    streamed = load64(words + 112)  # outputs per chunk of a few tokens' streamed pass, 0: blocked
-    if streamed:
-        o0 = chunk * streamed
-        b_rows_streamed(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + streamed))
-    else:
-        o0 = chunk * cols
-        b_blocks(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + cols), cols)
+    per = load64(words + 112)  # outputs a chunk
+    o0 = chunk * per
+    b_token_rows(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + per),
+                    y.shape[0] > STREAMED_TOKENS)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -309,11 +376,9 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
     alternating = dim(parts_d, 0) == 2  # (a 2-output layer's own parts would be the same: 0, 1)
     if alternating or dim(parts_d, 0) != o:
         parts_p = 0
-    cols = _cols(alternating)
-    blocks = (o + cols - 1) // cols
-    unit = STREAM_PATTERN if alternating else cols  # a streamed chunk's outputs: whole patterns
-    streamed = 0 if t > STREAMED_TOKENS else unit * (((o + unit - 1) // unit + workers() - 1) // workers())
-    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), streamed)
+    unit = STREAM_PATTERN if alternating else COLS_PER_CHUNK  # a chunk's outputs: whole patterns
+    per = unit * (((o + unit - 1) // unit + workers() - 1) // workers())
+    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), per)
     x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count,
                                      table_type)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more
@@ -322,11 +387,9 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), a_chunk, True)
     if t * o * rank <= SERIAL_MACS:
-        b_rows_streamed(b, parts_p, alternating, slots, u, y, 0, o)
-    elif streamed:
-        launch(frame, words, (o + streamed - 1) // streamed, b_chunk, True)
+        b_token_rows(b, parts_p, alternating, slots, u, y, 0, o, t > STREAMED_TOKENS)
     else:
-        launch(frame, words, blocks, b_chunk, True)
+        launch(frame, words, (o + per - 1) // per, b_chunk, True)
 
 
 @numba.njit(**_KW)
