@@ -33,6 +33,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     dim,
     export_symbol,
     ir_for,
+    ir_hsum,
     is_execute,
     launch,
     load32,
@@ -179,20 +180,74 @@ def _expand_intrinsic(alternating):
 expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
 
 
+A_ROWS = 4  # rows of A a token's first-pass step meets at once (its input loaded once for them)
+
+
+def _emit_dots(b, x, rows_at, n, y, element, count):
+    """y[j] = the fixed-order dot of the float32 input at x and row j (elements of `element`'s type, rows n apart
+    from rows_at) for j < count: 16-lane FMA chains over n // 16 vectors, a fixed tree over the lanes (`ir_hsum`),
+    then the last n % 16 products in order."""
+    size = 2 if element in (types.uint16, types.int16) else 4
+    v16 = ir.VectorType(_F32, _VEC)
+    fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
+    fma1 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+
+    def row_at(j, at):
+        return b.add(rows_at, b.mul(b.add(b.mul(ir.Constant(_I64, j), n), at), ir.Constant(_I64, size)))
+
+    def vec(i, accs):
+        at = b.mul(i, ir.Constant(_I64, _VEC))
+        xv = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), v16.as_pointer()), align=4)
+        return [b.call(fma, [_widened(b, row_at(j, at), element, _VEC), xv, acc]) for j, acc in enumerate(accs)]
+
+    vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
+    accs = ir_for(b, vectors, [ir.Constant(v16, [0.0] * _VEC)] * count, vec)
+    sums = [ir_hsum(b, acc) for acc in accs]
+    done = b.mul(vectors, ir.Constant(_I64, _VEC))
+
+    def tail(i, sums):
+        at = b.add(done, i)
+        xs = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), _F32.as_pointer()), align=4)
+        return [b.call(fma1, [b.extract_element(_widened(b, row_at(j, at), element, 1), ir.Constant(_I32, 0)), xs,
+                              acc]) for j, acc in enumerate(sums)]
+    for j, total in enumerate(ir_for(b, b.sub(n, done), sums, tail)):
+        b.store(total, b.inttoptr(b.add(y, ir.Constant(_I64, 4 * j)), _F32.as_pointer()), align=4)
+
+
+def _dots_intrinsic(count):
+    @intrinsic
+    def dots(typingctx, x, rows_at, n, y, element):
+        """y[0:count] (float32 address) = the input at x (float32, n values) against `count` table rows from
+        rows_at (`_emit_dots`)."""
+        def codegen(context, b, sig, args):
+            _emit_dots(b, args[0], args[1], args[2], args[3], sig.args[4], count)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 4, element), codegen
+    return dots
+
+
+dots_block, dots_one = _dots_intrinsic(A_ROWS), _dots_intrinsic(1)
+
+
 @numba.njit(**_KW)
 def a_block(x, a, slots, u, t0, t1, r0, r1):
-    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros)."""
+    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
+    a time: each row's dot the same fixed-order sum however the rows are grouped (`_emit_dots`)."""
     for tok in range(t0, t1):
         s = slots[tok]
         if s < 0 or s >= a.shape[0]:
             for r in range(r0, r1):
                 u[tok, r] = np.float32(0.0)
             continue
-        for r in range(r0, r1):
-            acc = np.float32(0.0)
-            for i in range(x.shape[1]):
-                acc += widen(a[s, r, i]) * x[tok, i]
-            u[tok, r] = acc
+        n = x.shape[1]
+        xp, up = x[tok].ctypes.data, u[tok].ctypes.data
+        r = r0
+        while r + A_ROWS <= r1:
+            dots_block(xp, a[s, r].ctypes.data, n, up + 4 * r, a[s, r, 0])
+            r += A_ROWS
+        while r < r1:
+            dots_one(xp, a[s, r].ctypes.data, n, up + 4 * r, a[s, r, 0])
+            r += 1
 
 
 @numba.njit(**_KW)
