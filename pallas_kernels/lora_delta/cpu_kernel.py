@@ -49,7 +49,7 @@ _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, ca
 ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
 COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v's parts: a run is never cut)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
-STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows (`b_rows_streamed`)
+STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows rank by rank (`b_token_rows`)
 STREAM_PATTERN = 512  # outputs a rank's coefficient pattern covers there (alternating parts)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
