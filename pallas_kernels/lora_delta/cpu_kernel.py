@@ -101,22 +101,20 @@ def _axpy(b, dst, src, coef, n, element, by_element):
     ir_for(b, b.sub(n, done), [], run(1, done))
 
 
-@intrinsic
-def axpy(typingctx, dst, src, coef, n, element):
-    """dst[0:n] (float32, address) += coef * src[0:n] (table elements of `element`'s type, address), each one fma."""
-    def codegen(context, b, sig, args):
-        _axpy(b, args[0], args[1], args[2], args[3], sig.args[4], False)
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.float32, types.int64, element), codegen
+def _axpy_intrinsic(by_element):
+    @intrinsic
+    def axpy(typingctx, dst, src, coef, n, element):
+        """dst[0:n] (float32 address) += c * src[0:n] (table elements of `element`'s type from address src), each
+        one fma: c the float coef, or by_element the float32 at address coef + 4 i (`_axpy`)."""
+        def codegen(context, b, sig, args):
+            _axpy(b, *args[:4], sig.args[4], by_element)
+            return context.get_dummy_value()
+        return types.void(types.int64, types.int64, types.int64 if by_element else types.float32, types.int64,
+                          element), codegen
+    return axpy
 
 
-@intrinsic
-def axpy_by(typingctx, dst, src, coefs, n, element):
-    """`axpy` with each element's own coefficient: dst[i] += coefs[i] * src[i] (coefs: float32 address)."""
-    def codegen(context, b, sig, args):
-        _axpy(b, args[0], args[1], args[2], args[3], sig.args[4], True)
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.int64, types.int64, element), codegen
+axpy, axpy_by = _axpy_intrinsic(False), _axpy_intrinsic(True)
 
 
 def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
