@@ -15,9 +15,15 @@
   none.
 
 No preload: JAX must not start in the master (it never imports it).
+
+With several workers, request latencies (histograms each worker observes) go through prometheus_client's
+multiprocess mode: a fresh directory of per-process files that every worker's /metrics sums, so a scrape counts
+every worker's requests whichever worker answers it. A PROMETHEUS_MULTIPROC_DIR set by the operator is used as is.
 """
 
 import os
+import shutil
+import tempfile
 
 from jaxllm.environment import Environment
 
@@ -38,11 +44,16 @@ loglevel = _env.log_level
 certfile = _env.ssl_certfile
 keyfile = _env.ssl_keyfile
 _core = None
+_metrics_dir = None
 
 
 def on_starting(server):
-    """Several API workers or data parallelism: start the engine cores before any worker is forked."""
-    global _core
+    """Several API workers or data parallelism: start the engine cores before any worker is forked; several
+    workers: their shared metrics directory (before any of them imports prometheus_client)."""
+    global _core, _metrics_dir
+    if workers > 1 and not (os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")):
+        _metrics_dir = tempfile.mkdtemp(prefix="jaxllm-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir
     if engine_process:
         from server.core_supervisor import CoreSupervisor
 
@@ -53,6 +64,8 @@ def on_starting(server):
 def on_exit(server):
     if _core is not None:
         _core.stop()
+    if _metrics_dir is not None:
+        shutil.rmtree(_metrics_dir, ignore_errors=True)
 
 
 def post_worker_init(worker):

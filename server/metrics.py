@@ -3,9 +3,10 @@ scheduler's live structures), request latencies observed by the server, and the 
 
 from __future__ import annotations
 
+import os
 import time
 
-from prometheus_client import CollectorRegistry, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Histogram, ProcessCollector, multiprocess, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from jaxllm.engine.engine_client import EngineClient
@@ -92,12 +93,30 @@ class EngineCollector:
             yield family
 
 
+def shared_across_workers() -> bool:
+    """Whether histograms go to prometheus_client's per-process files (several API workers; server.gunicorn_config
+    sets the directory before forking them)."""
+    shared = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir"))
+    if shared and not getattr(values.ValueClass, "_multiprocess", False):
+        raise RuntimeError("prometheus_client was imported before PROMETHEUS_MULTIPROC_DIR was set: this worker's "
+                           "latencies would be missing from the other workers' /metrics")
+    return shared
+
+
 class ServerMetrics:
+    """The engine's counters (from its published stats) and the server's latency histograms. With several API
+    workers the histograms are summed over every worker's files at each scrape, so whichever worker answers
+    /metrics counts all requests; the engine's counters come from the shared engine core either way."""
+
     def __init__(self, loop: EngineClient, model_name: str):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(loop, model_name))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes, process_cpu_seconds_total...
-        kw = dict(labelnames=["model_name"], registry=self.registry, buckets=LATENCY_BUCKETS)
+        shared = shared_across_workers()
+        if shared:
+            multiprocess.MultiProcessCollector(self.registry)
+        # Shared: written to this process's file (read back by the collector above), registered nowhere.
+        kw = dict(labelnames=["model_name"], registry=None if shared else self.registry, buckets=LATENCY_BUCKETS)
         self.ttft = Histogram("jaxllm_time_to_first_token_seconds", "Time to first token.", **kw).labels(model_name)
         self.itl = Histogram("jaxllm_inter_token_latency_seconds", "Time between streamed outputs.",
                              **kw).labels(model_name)

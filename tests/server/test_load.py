@@ -1,6 +1,7 @@
 """Concurrency, client disconnects and graceful shutdown against real gunicorn processes."""
 
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -152,6 +153,9 @@ def test_long_prompts_are_tokenized_off_the_hub_thread(server):
         r = requests.post(server.url + "/tokenize", json={"prompt": text}, headers=AUTH, timeout=60)
         results.append((r.status_code, r.json().get("count")))
 
+    t = time.monotonic()
+    tokenize(None)
+    alone = time.monotonic() - t  # what a poll would wait behind each text if the hub tokenized it
     with ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(tokenize, i) for i in range(4)]
         while not all(f.done() for f in futures):
@@ -159,9 +163,13 @@ def test_long_prompts_are_tokenized_off_the_hub_thread(server):
             assert requests.get(server.url + "/health", timeout=5).status_code == 200
             latencies.append(time.monotonic() - t)
             time.sleep(0.01)
-    print(f"\n/health while 4 x {len(text) // 1000} KB texts were tokenized: {len(latencies)} polls, "
+    print(f"\n/health while 4 x {len(text) // 1000} KB texts were tokenized ({alone * 1e3:.0f} ms alone): "
+          f"{len(latencies)} polls, median {statistics.median(latencies) * 1e3:.1f} ms, "
           f"max {max(latencies) * 1e3:.1f} ms")
-    assert [s for s, _ in results] == [200] * 4 and all(c > 60_000 for _, c in results)
-    # At most one poll slower than 100 ms (a pause of the process's own, e.g. a collection of the test process's
-    # heap when the server runs in it): tokenizing on the hub thread would stall a poll for each text.
-    assert len(latencies) >= 5 and sorted(latencies)[-2] < 0.1, sorted(latencies)[-3:]
+    assert [s for s, _ in results] == [200] * 5 and all(c > 60_000 for _, c in results)
+    # Tokenizing on the hub would leave a few polls, each waiting out whole texts. Here polls are quick; on two
+    # cores shared with four tokenizing threads, the server's other processes and this test, the OS may still
+    # hold back the hub for a slice now and then: two slow polls are allowed.
+    slowest = sorted(latencies)
+    assert len(latencies) >= 5 and statistics.median(latencies) < alone / 4 and slowest[-3] < alone / 2, \
+        (alone, slowest[-3:])

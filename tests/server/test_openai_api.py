@@ -1,6 +1,8 @@
 """The OpenAI API over HTTP with the official client, against a real gunicorn process: in both serve modes that
 run on this host (the engine in the worker; two API workers sharing an engine-core process)."""
 
+import time
+
 import requests
 
 from tests.server.conftest import API_KEY, serve_mode_fixtures
@@ -117,14 +119,25 @@ def test_detokenize_round_trip(server):
 
 
 def test_metrics_exposes_engine_and_latency(server, client):
-    client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
-    m = server.metrics()
-    for name in ("jaxllm_num_requests_running", "jaxllm_num_requests_waiting", "jaxllm_kv_cache_usage_perc",
-                 "jaxllm_prompt_tokens_total", "jaxllm_generation_tokens_total",
-                 "jaxllm_time_to_first_token_seconds_count", "jaxllm_inter_token_latency_seconds_count",
-                 "jaxllm_e2e_request_latency_seconds_count"):
-        assert name in m, name
-    assert m["jaxllm_generation_tokens_total"] > 0 and m["jaxllm_e2e_request_latency_seconds_count"] > 0
+    """Every scrape counts every request in the latency histograms, whichever API worker served it and whichever
+    answers the scrape; the engine's counters follow within its stats interval."""
+    before = server.metrics()
+    for _ in range(2):
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+    deadline = time.monotonic() + 5
+    for _ in range(6):  # fresh connections: with two API workers, both answer some of them
+        m = server.metrics()
+        for name in ("jaxllm_num_requests_running", "jaxllm_num_requests_waiting", "jaxllm_kv_cache_usage_perc",
+                     "jaxllm_prompt_tokens_total", "jaxllm_generation_tokens_total",
+                     "jaxllm_time_to_first_token_seconds_count", "jaxllm_inter_token_latency_seconds_count",
+                     "jaxllm_e2e_request_latency_seconds_count"):
+            assert name in m, name
+        for name in ("jaxllm_e2e_request_latency_seconds_count", "jaxllm_time_to_first_token_seconds_count"):
+            assert m[name] >= before[name] + 2, (name, before[name], m[name])
+    while m["jaxllm_generation_tokens_total"] < before["jaxllm_generation_tokens_total"] + 4:
+        assert time.monotonic() < deadline, (before["jaxllm_generation_tokens_total"], m)
+        time.sleep(0.05)
+        m = server.metrics()
 
 
 def test_greedy_chat_over_http_equals_llm_chat(client, smollm2_llm):
