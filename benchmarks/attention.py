@@ -10,7 +10,8 @@ page size 16, one layer.
 - mixed: 32 decodes at 1024 context + 2 prefill chunks of 256 tokens (one at offset 512, one fresh).
 
 With --decode-one: the CPU kernel alone on one decoding sequence (a single stream's step) at each context of
---contexts, float16 cache, called once a layer in a scan of 30 layers as a step calls it; microseconds a call.
+--contexts, float16 cache, called once a layer in a scan of 30 layers as a step calls it, each layer on its own
+pages; microseconds a call.
 """
 
 from __future__ import annotations
@@ -79,17 +80,20 @@ def decode_one(contexts: list[int], rounds: int, layers: int = 30) -> dict[int, 
     result = {}
     for ctx in contexts:
         q, _, k, v, meta = random_paged_batch([(1, ctx)], (HEADS, KV_HEADS, HEAD_DIM), PAGE, jnp.float32)
-        k, v = k.astype(jnp.float16), v.astype(jnp.float16)
+        # every layer its own pages, as in the engine's cache (layer l's page p is l * pages + p): a step reads
+        # layers x the sequence's K/V, not one layer's from cache 30 times
+        pages = k.shape[1]
+        k, v = (jnp.tile(c.astype(jnp.float16), (1, layers, 1, 1)) for c in (k, v))
         new = jnp.zeros((1, KV_HEADS, HEAD_DIM), jnp.float16)
         no_slots = jnp.full((1,), -1, jnp.int32)
 
-        def walk(q, k, v, m, new=new, no_slots=no_slots):
-            def body(carry, _):
+        def walk(q, k, v, m, new=new, no_slots=no_slots, pages=pages):
+            def body(carry, index):
                 c, k, v = carry  # the caches carried, as the engine's layers pass them: updated in place, not copied
-                out, k, v = step(c, new, new, k, v, no_slots, m.kv_lens, m.block_tables, m.query_start_loc,
-                                 sm_scale=HEAD_DIM ** -0.5)
+                out, k, v = step(c, new, new, k, v, no_slots, m.kv_lens, m.block_tables + index * pages,
+                                 m.query_start_loc, sm_scale=HEAD_DIM ** -0.5)
                 return (c + 1e-3 * out, k, v), None  # each layer's call waits for the one before
-            return jax.lax.scan(body, (q, k, v), None, length=layers)[0]
+            return jax.lax.scan(body, (q, k, v), jnp.arange(layers, dtype=jnp.int32))[0]
 
         fn = jax.jit(walk, donate_argnums=(1, 2))
         q, k, v = fn(q, k, v, meta)
