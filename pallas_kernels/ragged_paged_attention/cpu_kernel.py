@@ -60,6 +60,7 @@ from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
     fold_scores,
     fold_scores_by_row,
     page_scores,
+    page_scores_by_row,
 )
 
 NEG = np.float32(cpu.NEG)
@@ -140,18 +141,19 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     lanes = LANES
     groups = (rows + lanes - 1) // lanes
     stride = (d + lanes - 1) // lanes * lanes
-    keys = (page_size + lanes - 1) // lanes * lanes
-    qt = np.zeros((groups, d, lanes), np.float32)  # pre-scaled queries, lane = row
-    # A decode's few rows (<= 8, one group) weight the values with lanes along d (`fold_scores_by_row`): the
-    # accumulator is then row-major and the values are read from the cache as they are
+    # A decode's few rows (<= 8, one group) score the keys and weight the values with lanes along d
+    # (`page_scores_by_row`, `fold_scores_by_row`): the queries and the accumulator are then row-major and the
+    # keys and values are read from the cache as they are
     by_row = rows <= lanes and d % lanes == 0
+    qt = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)  # pre-scaled queries
     acc = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)
     stats = np.empty((groups, 2, lanes), np.float32)  # running max, sum
     qpos = np.empty((groups, lanes), np.int32)
     low = np.empty((groups, lanes), np.int32)  # a key is visible to a row when low < pos <= qpos
-    sc = np.empty((keys, lanes), np.float32)
-    kf = np.zeros((keys, stride), np.float32)
-    vf = np.zeros((keys, stride), np.float32)
+    sc = np.zeros((page_size, lanes), np.float32)  # by row: lanes past the rows stay 0
+    widened = 0 if by_row else page_size  # by row, the page is read as it is
+    kf = np.zeros((widened, stride), np.float32)
+    vf = np.zeros((widened, stride), np.float32)
     for r in range(groups * lanes):
         g, lane = r // lanes, r % lanes
         pos = first + min(r, rows - 1) // group  # padding lanes: the last row's window (their output is dropped)
@@ -163,7 +165,10 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
             tok = q0 + b0 + r // group
             head = first_head + r % group
             for x in range(d):
-                qt[g, x, lane] = q[tok, head, x] * sm_scale
+                if by_row:
+                    qt[0, r, x] = q[tok, head, x] * sm_scale
+                else:
+                    qt[g, x, lane] = q[tok, head, x] * sm_scale
     last = first + nq - 1
     end_page = min(last + 1, hi) // page_size + (min(last + 1, hi) % page_size > 0)
     first_page = max(start, lo) // page_size
@@ -176,11 +181,15 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
             _prefetch_page(k_cache, v_cache, kh, block_tables[s, pi + 1])
         at = pi * page_size
         visible = min(page_size, ctx - at)  # keys past the sequence's length are never read
-        _widen_page(k_cache[kh, page], kf, d, visible)
         if not by_row:
+            _widen_page(k_cache[kh, page], kf, d, visible)
             _widen_page(v_cache[kh, page], vf, d, visible)
         for g in range(groups):
-            page_scores(np.int64(qt[g].ctypes.data), kf_p, d, stride, visible, sc_p)
+            if by_row:
+                page_scores_by_row(np.int64(qt[0].ctypes.data), np.int64(k_cache[kh, page].ctypes.data),
+                                   k_cache[kh, page, 0, 0], d, visible, rows, sc_p)
+            else:
+                page_scores(np.int64(qt[g].ctypes.data), kf_p, stride, visible, sc_p)
             if soft_cap > 0:
                 for c in range(visible):
                     for lane in range(lanes):
@@ -420,6 +429,24 @@ def _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, cac
              carray(to_ptr(slots_p), (t,), dtype=np.int32))
 
 
+# (query token, key) pairs of a step, summed over KV heads, at most which the calling thread does every item: below
+# it, waking XLA's pool costs more than the second core gains (`benchmarks/attention.py --decode-one` on 2 cores:
+# a lone SmolLM2 decode, 3 KV heads, at 16 / 150 tokens of context took 6.0 / 15.4 us a layer alone against 9.8 /
+# 16.3 us shared, and gains from sharing from ~512 on). Outputs do not depend on it.
+SERIAL_PAIRS = 3 * 384
+
+
+@numba.njit(inline="always", **_KW)
+def _pairs(kv_lens, query_start_loc):
+    """Query tokens x keys of a step, per KV head (the keys a token sees: its sequence's, at most)."""
+    total = 0
+    for s in range(kv_lens.shape[0]):
+        q_len = query_start_loc[s + 1] - query_start_loc[s]
+        if q_len > 0 and kv_lens[s] > 0:
+            total += q_len * kv_lens[s]
+    return total
+
+
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (params, q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
@@ -451,20 +478,21 @@ def _execute(frame):
         _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, np.float32)
         chunk_fn = _chunk_f32_address()
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
-    n = workers()
+    starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
+    lens = carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32)
+    serial = _pairs(lens, starts) * kvh <= SERIAL_PAIRS
+    n = 1 if serial else workers()
     # Fewer items than threads (a lone decoding sequence of a model with one KV head): split by q head, so that
     # every thread gets a share. Not for more: each share re-reads its KV head's pages and pays an item's set-up,
     # which cost a lone SmolLM2 decode (3 KV heads) on 2 cores more than its uneven 3 items do
     # (`benchmarks/attention.py --decode-one`; figures in docs/performance.md).
     min_items = n if n > 1 else 0
-    starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
     out = carray(to_ptr(out_p), (t, h, d), dtype=np.float32)
-    work, merges, slots = plan(carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32), starts, kvh, h // kvh, block_q,
-                               min_items, page_size, out)
+    work, merges, slots = plan(lens, starts, kvh, h // kvh, block_q, min_items, page_size, out)
     partials = np.empty((max(1, slots), block_q * (h // kvh), d + 2), np.float32)
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
                    kvh, pages, page_size, num_seqs, max_pages, np.int64(partials.ctypes.data), slots, sinks_p),
-           work.shape[0], chunk_fn, False)
+           work.shape[0], chunk_fn, False, serial)
     merge_chunks(partials, merges, h, kvh, starts, block_q, carray(to_ptr(sinks_p), (h,), dtype=np.float32), out)
     keep_alive(work)  # the chunks read it through its address
     keep_alive(partials)

@@ -131,20 +131,64 @@ def _blocks(b, n):
     return b.sdiv(b.add(n, ir.Constant(_I64, LANES - 1)), ir.Constant(_I64, LANES))
 
 
-def _scores(b, qt, keys, d, stride, page, scores):
-    """scores[c] = queries . keys[c] for the page's keys, 8 at a time (8 independent FMA chains over x); a page of
-    P keys computes ceil(P / 8) * 8 scores (those past P are never read)."""
-    def block(cb, _):
-        def step(x, accs):
-            q = _load(b, qt, _V, _mul(b, x, 4 * LANES))
-            row = b.add(_mul(b, cb, LANES, stride), x)
-            return [_fma(b, q, _splat(b, _load(b, keys, _F32, _mul(b, b.add(row, _mul(b, j, stride)), 4))), acc)
-                    for j, acc in enumerate(accs)]
-        accs = ir_for(b, d, [_const(0.0)] * LANES, step)
-        for j, acc in enumerate(accs):
-            _store(b, acc, scores, _mul(b, b.add(_mul(b, cb, LANES), ir.Constant(_I64, j)), 4 * LANES))
+def _tree(b, parts):
+    """The sum of 8 partial sums in a fixed tree, ((p0 + p4) + (p2 + p6)) + ((p1 + p5) + (p3 + p7)): the order
+    `_hsum` adds a vector's lanes in, so a score is the same bits whichever layout computed it."""
+    w = [_fadd(b, parts[i], parts[i + 4]) for i in range(4)]
+    return _fadd(b, _fadd(b, w[0], w[2]), _fadd(b, w[1], w[3]))
+
+
+def _hsum(b, v):
+    """`_tree` over the lanes of one vector (lane j: partial sum j), as a float32."""
+    def fold(v, lanes):
+        return _fadd(b, v, b.shuffle_vector(v, ir.Constant(_V, None), ir.Constant(_VI, lanes)))
+    u = fold(fold(v, [4, 5, 6, 7, 4, 5, 6, 7]), [2, 3, 2, 3, 2, 3, 2, 3])
+    return b.extract_element(fold(u, [1] * LANES), ir.Constant(_I32, 0))
+
+
+def _scores(b, qt, keys, stride, page, scores):
+    """scores[c] = queries . keys[c] for the page's keys, lanes as rows: per key 8 independent FMA chains, chain j
+    over x = j, j + 8, ... (from 0, in order), summed by `_tree`: the arithmetic of `_scores_by_row`."""
+    def key(c, _):
+        def step(xb, accs):
+            out = []
+            for j, acc in enumerate(accs):
+                x = b.add(_mul(b, xb, LANES), ir.Constant(_I64, j))
+                k = _splat(b, _load(b, keys, _F32, _mul(b, b.add(_mul(b, c, stride), x), 4)))
+                out.append(_fma(b, _load(b, qt, _V, _mul(b, x, 4 * LANES)), k, acc))
+            return out
+        accs = ir_for(b, b.sdiv(stride, ir.Constant(_I64, LANES)), [_const(0.0)] * LANES, step)
+        _store(b, _tree(b, accs), scores, _mul(b, c, 4 * LANES))
         return []
-    ir_for(b, _blocks(b, page), [], block)
+    ir_for(b, page, [], key)
+
+
+def _scores_by_row(b, q, keys, element, d, page, rows, scores):
+    """`_scores` with lanes as key positions, for up to 8 rows (a decode's): for each key, each row's 8 chains are
+    the lanes of one vector (lane j: x = j, j + 8, ...), summed by `_hsum`, so a score is the same bits as there. q
+    is row-major [rows, d] float32, the keys are read from the cache page as they are (d a multiple of 8), and
+    scores[c, r] is written for r < rows. A case per row count keeps each row's accumulator in a register while
+    a key's 8-value blocks are loaded once for all rows."""
+    nx = b.sdiv(d, ir.Constant(_I64, LANES))
+    end = b.append_basic_block("rows_done")
+    switch = b.switch(rows, end)
+    for n in range(1, LANES + 1):
+        case = b.append_basic_block(f"rows_{n}")
+        switch.add_case(ir.Constant(_I64, n), case)
+        b.position_at_end(case)
+
+        def key(c, _, n=n):
+            def step(xb, accs):
+                at = _mul(b, xb, LANES)
+                k = _load_values(b, keys, element, b.add(_mul(b, c, d), at))
+                return [_fma(b, _load(b, q, _V, _mul(b, b.add(_mul(b, r, d), at), 4)), k, acc)
+                        for r, acc in enumerate(accs)]
+            for r, acc in enumerate(ir_for(b, nx, [_const(0.0)] * n, step)):
+                _store(b, _hsum(b, acc), scores, _mul(b, b.add(_mul(b, c, LANES), ir.Constant(_I64, r)), 4))
+            return []
+        ir_for(b, page, [], key)
+        b.branch(end)
+    b.position_at_end(end)
 
 
 def _softmax(b, scores, stats, qpos, lo, base, page):
@@ -239,14 +283,26 @@ def _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, row
 
 
 @intrinsic
-def page_scores(typingctx, qt, keys, d, stride, page, scores):
-    """scores [ceil(page / 8) * 8, 8] = 8 rows' queries qt [d, 8] against a page's keys [ceil(page / 8) * 8,
-    stride] (float32 addresses; key rows past ``page`` give scores nobody reads). A model that transforms its scores
-    before the softmax (soft-capping) does so between this and `fold_scores`."""
+def page_scores(typingctx, qt, keys, stride, page, scores):
+    """scores [page, 8] = 8 rows' queries qt [stride, 8] against a page's keys [page, stride] (float32 addresses;
+    columns past d zero). A model that transforms its scores before the softmax (soft-capping) does so between
+    this and `fold_scores`."""
     def codegen(context, b, sig, args):
         _scores(b, *args)
         return context.get_dummy_value()
-    return types.void(*[types.int64] * 6), codegen
+    return types.void(*[types.int64] * 5), codegen
+
+
+@intrinsic
+def page_scores_by_row(typingctx, q, keys, element, d, page, rows, scores):
+    """`page_scores` for ``rows`` <= 8 rows (a decode's), the same bits: q [rows, d] float32 row-major, the keys
+    read from the cache page at address ``keys`` (``element``: one of its elements, whose numba type names the
+    format as in `cpu_ffi.widen`; d a multiple of 8); writes scores[c, r] for r < rows."""
+    def codegen(context, b, sig, args):
+        q, keys, _, d, page, rows, scores = args
+        _scores_by_row(b, q, keys, element, d, page, rows, scores)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, element, *[types.int64] * 4), codegen
 
 
 @intrinsic
