@@ -298,12 +298,13 @@ KINDS = {4: ((G32, NEG8), (G32, AFFINE)),
 
 
 @intrinsic
-def _quantize_row(typingctx, x, n, q, d, s):
+def _quantize_row(typingctx, x, n, q, d, s, sums):
     """One input row of n float32 at x -> its int8 blocks: q (n int8), d and s (n / 32 float32), exactly as
     `activations.quantize` computes them: d = max|x| * float32(1 / 127), q = round-half-even(x * (1 / d)) clamped to
-    [-127, 127] (0 where d is 0), s = d * sum(q)."""
+    [-127, 127] (0 where d is 0), s = d * sum(q); and sums (n / 32 int32) = sum(q), exact (what the loops on
+    8-bit weights stored plus 128 take back, once a call instead of once a row group)."""
     def codegen(context, b, sig, args):
-        x, n, q, d, s = args
+        x, n, q, d, s, sums = args
         v16i8, v16i32 = ir.VectorType(_I8, 16), ir.VectorType(_I32, 16)
 
         def body(i, carried):
@@ -335,13 +336,15 @@ def _quantize_row(typingctx, x, n, q, d, s):
                 width //= 2
                 lo, hi = (b.shuffle_vector(total, total, _mask(range(k, k + width))) for k in (0, width))
                 total = b.add(lo, hi)
-            qsum = b.sitofp(b.extract_element(total, ir.Constant(_I32, 0)), _F32)
+            exact = b.extract_element(total, ir.Constant(_I32, 0))
+            qsum = b.sitofp(exact, _F32)
+            b.store(exact, _ptr(b, sums, _I32, b.mul(i, _c(4))), align=4)
             b.store(dd, _ptr(b, d, _F32, b.mul(i, _c(4))), align=4)
             b.store(b.fmul(dd, qsum), _ptr(b, s, _F32, b.mul(i, _c(4))), align=4)
             return []
         ir_for(b, b.udiv(n, _c(32)), [], body)
         return context.get_dummy_value()
-    return types.void(*[types.int64] * 5), codegen
+    return types.void(*[types.int64] * 6), codegen
 
 
 QUANTIZE_ROWS = 64  # input rows a chunk of the quantizing launch (decode batches: one chunk, no helper)
@@ -349,11 +352,12 @@ QUANTIZE_ROWS = 64  # input rows a chunk of the quantizing launch (decode batche
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True, error_model="numpy", boundscheck=False)
 def _quantize_chunk(words, c):
-    x, q, d, s, t, n = load64(words), load64(words + 8), load64(words + 16), load64(words + 24), \
-        load64(words + 32), load64(words + 40)
+    x, q, d, s, t, n, sums = load64(words), load64(words + 8), load64(words + 16), load64(words + 24), \
+        load64(words + 32), load64(words + 40), load64(words + 48)
     blocks = n // 32
     for row in range(c * QUANTIZE_ROWS, min(t, (c + 1) * QUANTIZE_ROWS)):
-        _quantize_row(x + 4 * n * row, n, q + n * row, d + 4 * blocks * row, s + 4 * blocks * row)
+        _quantize_row(x + 4 * n * row, n, q + n * row, d + 4 * blocks * row, s + 4 * blocks * row,
+                      sums + 4 * blocks * row)
 
 
 export_symbol("jaxllm_cpu_q8act_quantize_chunk", _quantize_chunk.address)
@@ -546,11 +550,14 @@ def _build(isa: str, interleaved: bool):
             d_p += layer * o * p
             s_p += layer * o * groups * scale_size
             o_p += layer * o * offset_groups * scale_size
-            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
+            sums = np.empty((t, n // 32), np.int32)
+            sums_p = np.int64(sums.ctypes.data)
+            launch(frame, (x_p, xq_p, xd_p, xs_p, t, n, sums_p), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
                    _quantize_chunk_fn(), True)
             fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
-            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups),
+            launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups, 0, sums_p),
                    (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, fn, True)
+            keep_alive(sums)
         return to_ptr(0)
     return numba.cfunc(HANDLER, **_CACHE)(ffi_handler)
 
@@ -632,11 +639,14 @@ def grouped_handler(isa: str):
             order, table = group_rows(carray(to_ptr(experts_p), (t,), dtype=np.int32), count, base, o)
             rows = _gather_rows(x_p, order, t, n)
             out = np.empty((t, o), np.float32)
-            launch(frame, (np.int64(rows.ctypes.data), xq_p, xd_p, xs_p, t, n),
+            sums = np.empty((t, n // 32), np.int32)
+            sums_p = np.int64(sums.ctypes.data)
+            launch(frame, (np.int64(rows.ctypes.data), xq_p, xd_p, xs_p, t, n, sums_p),
                    (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS, _quantize_chunk_fn(), True)
             fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
             launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, np.int64(out.ctypes.data), t, n, o, p, groups,
-                           offset_groups, np.int64(table.ctypes.data)), table.shape[0], fn, True)
+                           offset_groups, np.int64(table.ctypes.data), sums_p), table.shape[0], fn, True)
+            keep_alive(sums)
             _scatter_rows(y_p, order, out)
             keep_alive(table)
             keep_alive(rows)

@@ -27,6 +27,7 @@ drop_stale_cache(__file__)
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     ir_fma16,
     ir_for,
+    load64,
     stable_key,
 )
 from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
@@ -56,7 +57,7 @@ assert ROWS_PER_CHUNK == ROWS
 def _emit_pass(b, bits, half, off_mode, m, args):
     """Inputs 0..m-1 of the pass against the chunk's 16 rows, every block: y row j (16 floats) = input j's
     outputs."""
-    data, scale, offset, xq, n, xd, xs, x_stride, blocks, y, y_stride, ahead = args
+    data, scale, offset, xq, n, xd, xs, sums, x_stride, blocks, y, y_stride, ahead = args
     size = 2 if half else 4
     words = 4 if bits == 4 else 8  # 64-byte loads a block of the group
     dot = _fn(b, "llvm.x86.avx512.vpdpbusd.512", _VI, [_VI, _VI, _VI])
@@ -92,10 +93,10 @@ def _emit_pass(b, bits, half, off_mode, m, args):
         out = []
         for j in range(m):
             x_at = b.add(b.add(xq, b.mul(_c(j), n)), b.mul(blk, _c(32)))
+            at = b.add(b.mul(_c(j), x_stride), b.mul(blk, _c(4)))
             chains = [zero_i] * (4 if m == 1 else 2)  # independent sums: integers, exact in any order
-            if bits == 8:  # weights plus 128: start at -128 * the input's block sum
-                xv = b.sext(_load(b, x_at, ir.VectorType(_I8, 32), None), ir.VectorType(_I32, 32))
-                total = b.call(_fn(b, "llvm.vector.reduce.add.v32i32", _I32, [xv.type]), [xv])
+            if bits == 8:  # weights plus 128: start at -128 * the input's block sum (the quantizing pass's)
+                total = _load(b, sums, _I32, at, align=4)
                 chains[0] = _splat(b, b.mul(total, ir.Constant(_I32, -128)), _VI)
             for g in range(8):
                 xw = _splat(b, _load(b, x_at, _I32, 4 * g, align=4), _VI)
@@ -104,7 +105,6 @@ def _emit_pass(b, bits, half, off_mode, m, args):
             total = chains[0]
             for c in chains[1:]:
                 total = b.add(total, c)
-            at = b.add(b.mul(_c(j), x_stride), b.mul(blk, _c(4)))
             d = _splat(b, _load(b, xd, _F32, at, align=4), _V)
             acc = ir_fma16(b, b.sitofp(total, _V), b.fmul(ws, d), accs[j])
             if wo is not None:
@@ -118,12 +118,12 @@ def _emit_pass(b, bits, half, off_mode, m, args):
 
 
 def _passes(bits, half):
-    """``passes(variant, data, scale, offset, xq, n, xd, xs, x_stride, blocks, y, y_stride, ahead)``: variant =
+    """``passes(variant, data, scale, offset, xq, n, xd, xs, sums, x_stride, blocks, y, y_stride, ahead)``: variant =
     kind * MAX_INPUTS + m - 1 (m inputs); kinds without 32-value groups are never interleaved (no case)."""
     kinds = KINDS[bits]
 
     @intrinsic
-    def passes(typingctx, variant, data, scale, offset, xq, n, xd, xs, x_stride, blocks, y, y_stride, ahead):
+    def passes(typingctx, variant, data, scale, offset, xq, n, xd, xs, sums, x_stride, blocks, y, y_stride, ahead):
         def codegen(context, b, sig, args):
             done = b.append_basic_block("x16_done")
             switch = b.switch(args[0], done)
@@ -138,7 +138,7 @@ def _passes(bits, half):
                     b.branch(done)
             b.position_at_end(done)
             return context.get_dummy_value()
-        return types.void(*[types.int64] * 13), codegen
+        return types.void(*[types.int64] * 14), codegen
     return stable_key(passes, __name__, "passes", bits, half, MAX_INPUTS)
 
 
@@ -154,12 +154,14 @@ def chunk_fn(bits: int, half: bool, grouped: bool = False):
         (xq, xd, xs, data, scale, offset, y, t, n, o, p, groups, offset_groups, r0, r1, group, mode,
          kind) = chunk_setup(words, c, bits, size, False)
         blocks = n // 32
+        sums = load64(words + 112)  # the inputs' exact block sums [t, blocks] int32 (the handler's launch words)
         data, scale, offset = data + r0 * p, scale + r0 * groups * size, offset + r0 * offset_groups * size
         ahead = data + ROWS * p if t == 1 and r1 + ROWS <= o else 0
         t0 = 0
         while t0 < t:
             m = min(MAX_INPUTS, t - t0)
             passes(kind * MAX_INPUTS + m - 1, data, scale, offset, xq + t0 * n, n, xd + 4 * t0 * blocks,
-                   xs + 4 * t0 * blocks, 4 * blocks, blocks, y + 4 * (t0 * o + r0), 4 * o, ahead)
+                   xs + 4 * t0 * blocks, sums + 4 * t0 * blocks, 4 * blocks, blocks, y + 4 * (t0 * o + r0), 4 * o,
+                   ahead)
             t0 += m
     return chunk
