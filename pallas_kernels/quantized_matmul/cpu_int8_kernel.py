@@ -555,6 +555,7 @@ def _build(isa: str, interleaved: bool):
             launch(frame, (x_p, xq_p, xd_p, xs_p, t, n, sums_p), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
                    _quantize_chunk_fn(), True)
             fn = _pick(four_bit, scale_size, q4_f16(), q4_f32(), q8_f16(), q8_f32())
+            # word 13 is a grouped launch's table (none here), word 14 the block sums (`cpu_x16_kernel` reads them)
             launch(frame, (xq_p, xd_p, xs_p, d_p, s_p, o_p, y_p, t, n, o, p, groups, offset_groups, 0, sums_p),
                    (o + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK, fn, True)
             keep_alive(sums)

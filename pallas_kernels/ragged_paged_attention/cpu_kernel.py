@@ -430,9 +430,11 @@ def _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, cac
 
 
 # (query token, key) pairs of a step, summed over KV heads, at most which the calling thread does every item: below
-# it, waking XLA's pool costs more than the second core gains (`benchmarks/attention.py --decode-one` on 2 cores:
-# a lone SmolLM2 decode, 3 KV heads, at 16 / 150 tokens of context took 6.0 / 15.4 us a layer alone against 9.8 /
-# 16.3 us shared, and gains from sharing from ~512 on). Outputs do not depend on it.
+# it, waking XLA's pool costs more than the second core gains. A lone SmolLM2 decode (3 KV heads) on the 2-core
+# Xeon, one process with the worker count set to 1 and to 2, one layer's pages hot (a one-off run of
+# `benchmarks/attention.py --decode-one` before it gave each layer its own pages): 6.0 / 15.4 / 39.7 / 149.8 us a
+# layer alone against 9.8 / 16.3 / 43.4 / 83.6 shared at 16 / 150 / 512 / 2048 tokens of context. Outputs do not
+# depend on it.
 SERIAL_PAIRS = 3 * 384
 
 

@@ -2,12 +2,14 @@
 once, in LLVM IR on <8 x float> vectors whose lanes are query rows (`cpu_kernel.attend_block` calls it per group of
 8 rows).
 
-Lanes as rows make every part of the fold a vector operation with no horizontal sums: a page's scores are 8-lane
-FMAs against broadcast keys, the running max, the exponentials and the row sums are lane-wise, and the weighted sum
-of V rows is 8-lane FMAs against broadcast values. Each lane (row) runs the same instructions whatever the other
-lanes hold and however many rows the block has, so a position's output is the same bits in a decode step, a
-prefill chunk or a speculative step, alone or batched. The arithmetic, per row:
-- score of key c: ``fma(q[x], k[c, x], s)`` for x = 0, 1, ..., d - 1 from 0 (queries pre-scaled);
+Lanes as rows make most of the fold a vector operation: the running max, the exponentials and the row sums are
+lane-wise, and the weighted sum of V rows is 8-lane FMAs against broadcast values. A decode's few rows (at most 8,
+d a multiple of 8) score the keys and weight the values with lanes along d instead (`page_scores_by_row`,
+`fold_scores_by_row`), reading the cache page as it is. Each row runs the same arithmetic whatever the other lanes
+hold, however many rows the block has and in either layout, so a position's output is the same bits in a decode
+step, a prefill chunk or a speculative step, alone or batched. The arithmetic, per row:
+- score of key c: 8 chains, chain j = ``fma(q[x], k[c, x], s)`` over x = j, j + 8, ... from 0 (queries
+  pre-scaled), summed as ((c0 + c4) + (c2 + c6)) + ((c1 + c5) + (c3 + c7)) (`_tree`, `_hsum`);
 - keys outside the row's causal window (``pos > qpos`` or ``pos <= lo``) become `NEG`;
 - ``m' = max(m, max_c s_c)``, ``alpha = exp(m - m')``, ``p_c = exp(s_c - m')`` (0 for masked keys),
   ``l' = l * alpha + p_0 + ... + p_{P-1}`` in key order;
@@ -15,14 +17,12 @@ prefill chunk or a speculative step, alone or batched. The arithmetic, per row:
 A row with no visible key in the page keeps m, l and acc (alpha is exp(0) = 1, every p is 0). ``exp`` is `ir_exp`,
 the same Cephes polynomial as `cpu_kernel._exp`, with its roundings written out.
 
-Layouts (float32, lane-minor): queries [d, 8], scores [8 * ceil(P / 8), 8], running max and sum [8] each,
-accumulator [stride, 8]; keys and values as float32 [8 * ceil(P / 8), stride] (the kernel widens a page into
-buffers first; stride: d rounded up to a multiple of 8, the columns past d zero); positions [8] int32. P (the keys
-folded: a page's, or those of a sequence's last page that exist) and d are any counts; scores are computed 8 keys
-at a time, those past P unused. `fold_scores_by_row` reads the values from the cache page itself (d a multiple
-of 8).
+Layouts (float32, lane-minor): queries [stride, 8], scores [P, 8], running max and sum [8] each, accumulator
+[stride, 8]; keys and values as float32 [P, stride] (the kernel widens a page into buffers first; stride: d
+rounded up to a multiple of 8, the columns past d zero); positions [8] int32. By row: queries and accumulator
+[rows, d] row-major, keys and values the cache page's own. P (the keys folded: a page's, or those of a sequence's
+last page that exist) and d are any counts.
 """
-
 from __future__ import annotations
 
 import numpy as np
@@ -124,11 +124,6 @@ def ir_exp(b, x):
     scale = b.bitcast(b.shl(b.add(b.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
                             ir.Constant(_VI, [23] * LANES)), _V)
     return b.select(_fcmp(b, "<", x, _const(-87.0)), _const(0.0), _fmul(b, p, scale))
-
-
-def _blocks(b, n):
-    """ceil(n / 8)."""
-    return b.sdiv(b.add(n, ir.Constant(_I64, LANES - 1)), ir.Constant(_I64, LANES))
 
 
 def _tree(b, parts):
