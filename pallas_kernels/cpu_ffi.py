@@ -406,18 +406,18 @@ export_symbol("jaxllm_cpu_ffi_task", _task.address)
 
 
 @numba.njit(**_CACHED)
-def launch(frame, words, num_chunks, chunk_fn, split, serial=False):
+def launch(frame, words, num_chunks, chunk_fn, split):
     """Runs ``chunk_fn(words_addr, chunk)`` (a C function: a numba cfunc ``void(int64, int64)``) for every chunk,
-    shared by the calling thread and up to ``workers() - 1`` tasks on XLA's pool (none with ``serial``: work too
-    small to pay for waking them); ``words`` (a tuple of at most 32 int64: addresses, sizes) is what the chunks
-    read their arguments from, at ``words_addr``. Returns when every chunk is done.
+    shared by the calling thread and up to ``workers() - 1`` tasks on XLA's pool; ``words`` (a tuple of at most
+    32 int64: addresses, sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every
+    chunk is done.
 
     Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own
     contiguous range (its memory reads stream, and claims do not contend) and then steals what is left of the
     others'. A chunk must not depend on which thread runs it, so results are the same whatever the pool does (a
     task may also run late, or on the caller's thread)."""
     n = workers()
-    helpers = 0 if serial else min(n - 1, num_chunks - 1)
+    helpers = min(n - 1, num_chunks - 1)
     slot = 0
     if helpers > 0:
         table, stride = _slots_address(), 8 * 8 * (5 + n)

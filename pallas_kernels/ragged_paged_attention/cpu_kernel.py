@@ -429,26 +429,6 @@ def _write(k_p, v_p, k_new_p, v_new_p, slots_p, t, kvh, pages, page_size, d, cac
              carray(to_ptr(slots_p), (t,), dtype=np.int32))
 
 
-# (query token, key) pairs of a step, summed over KV heads, at most which the calling thread does every item: below
-# it, waking XLA's pool costs more than the second core gains. A lone SmolLM2 decode (3 KV heads) on the 2-core
-# Xeon, one process with the worker count set to 1 and to 2, one layer's pages hot (a one-off run of
-# `benchmarks/attention.py --decode-one` before it gave each layer its own pages): 6.0 / 15.4 / 39.7 / 149.8 us a
-# layer alone against 9.8 / 16.3 / 43.4 / 83.6 shared at 16 / 150 / 512 / 2048 tokens of context. Outputs do not
-# depend on it.
-SERIAL_PAIRS = 3 * 384
-
-
-@numba.njit(inline="always", **_KW)
-def _pairs(kv_lens, query_start_loc):
-    """Query tokens x keys of a step, per KV head (the keys a token sees: its sequence's, at most)."""
-    total = 0
-    for s in range(kv_lens.shape[0]):
-        q_len = query_start_loc[s + 1] - query_start_loc[s]
-        if q_len > 0 and kv_lens[s] > 0:
-            total += q_len * kv_lens[s]
-    return total
-
-
 @numba.njit(**_KW)
 def _execute(frame):
     """The FFI call: inputs (params, q, k, v, slot_mapping, k_cache, v_cache, kv_lens, block_tables,
@@ -482,8 +462,7 @@ def _execute(frame):
     block_q = np.int64(carray(to_ptr(params_p), (4,), dtype=np.float32)[3])
     starts = carray(to_ptr(starts_p), (num_seqs + 1,), dtype=np.int32)
     lens = carray(to_ptr(lens_p), (num_seqs,), dtype=np.int32)
-    serial = _pairs(lens, starts) * kvh <= SERIAL_PAIRS
-    n = 1 if serial else workers()
+    n = workers()
     # Fewer items than threads (a lone decoding sequence of a model with one KV head): split by q head, so that
     # every thread gets a share. Not for more: each share re-reads its KV head's pages and pays an item's set-up,
     # which cost a lone SmolLM2 decode (3 KV heads) on 2 cores more than its uneven 3 items do
@@ -494,7 +473,7 @@ def _execute(frame):
     partials = np.empty((max(1, slots), block_q * (h // kvh), d + 2), np.float32)
     launch(frame, (q_p, k_p, v_p, lens_p, tables_p, starts_p, out_p, np.int64(work.ctypes.data), params_p, t, h, d,
                    kvh, pages, page_size, num_seqs, max_pages, np.int64(partials.ctypes.data), slots, sinks_p),
-           work.shape[0], chunk_fn, False, serial)
+           work.shape[0], chunk_fn, False)
     merge_chunks(partials, merges, h, kvh, starts, block_q, carray(to_ptr(sinks_p), (h,), dtype=np.float32), out)
     keep_alive(work)  # the chunks read it through its address
     keep_alive(partials)
