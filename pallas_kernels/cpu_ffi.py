@@ -18,6 +18,7 @@ import ctypes
 import glob
 import hashlib
 import os
+import platform
 import re
 import threading
 from pathlib import Path
@@ -30,6 +31,9 @@ from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+_ARCH = platform.machine().lower()
+_CLOCK_MONOTONIC = 1  # Linux's clockid; `call_clock` needs a 64-bit time_t and long (an LP64 Linux)
 
 
 def drop_stale_cache(module_file: str) -> None:
@@ -128,6 +132,35 @@ def compare_and_swap(typingctx, addr, old, new):
 def load_acquire(typingctx, addr):
     def codegen(context, builder, sig, args):
         return builder.load_atomic(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), "acquire", 8)
+    return types.int64(types.int64), codegen
+
+
+@intrinsic
+def spin_pause(typingctx):
+    """The CPU's spin-wait hint (x86 ``pause``, Arm ``yield``): a polling loop leaves the core's other hardware
+    thread its issue slots and does not flood the memory system with reads."""
+    def codegen(context, builder, sig, args):
+        if _ARCH in ("x86_64", "amd64"):
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.x86.sse2.pause"), [])
+        elif _ARCH in ("aarch64", "arm64"):
+            builder.asm(ir.FunctionType(ir.VoidType(), []), "yield", "", [], True)
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def call_clock(typingctx, fn):
+    """Calls ``clock_gettime(CLOCK_MONOTONIC, &ts)`` at address ``fn``; returns the time in nanoseconds."""
+    def codegen(context, builder, sig, args):
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        ts = cgutils.alloca_once(builder, ir.ArrayType(i64, 2))  # struct timespec: seconds, nanoseconds
+        words = builder.bitcast(ts, i64.as_pointer())
+        f = builder.inttoptr(args[0], ir.FunctionType(i32, [i32, i64.as_pointer()]).as_pointer())
+        builder.call(f, [ir.Constant(i32, _CLOCK_MONOTONIC), words])
+        seconds = builder.load(builder.gep(words, [ir.Constant(i32, 0)]))
+        nanoseconds = builder.load(builder.gep(words, [ir.Constant(i32, 1)]))
+        return builder.add(builder.mul(seconds, ir.Constant(i64, 1_000_000_000)), nanoseconds)
     return types.int64(types.int64), codegen
 
 
@@ -357,6 +390,46 @@ _slot_on_stack, _schedule_args, _destroy_args = _stack_words(MAX_SLOT_WORDS), _s
 # Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
 # thread wants it) a spin must not hold a core for a whole time slice.
 SPINS_BEFORE_YIELD = 1000
+# Lingering helpers. XLA's pool puts an idle worker to sleep after a short spin, and waking it costs a launch
+# 10-30 us on a VM: a step's launches are separated by a few us of small XLA ops on the calling thread (norms,
+# residual adds, the layer loop's bookkeeping), longer after a step of work on that thread alone, and a woken
+# helper came in late for the call that followed (docs/performance.md, "A step that keeps its helper awake"). So a
+# helper task, once its own chunks are done, waits up to LINGER_NS on a mailbox of its own (a cache line of
+# `_mailboxes`), and a launch hands its slot to a waiting helper with one compare-and-swap instead of scheduling a
+# task. A mailbox holds ABSENT (nobody waits on it), WAITING (a helper polls it) or the address of a slot posted to
+# that helper; the line's next word counts the slots run from it. Box w (1 <= w < workers()) is for one helper at a
+# time; a helper that finds every box taken leaves. The wait is read at run time (`set_linger`).
+LINGER_NS = 100_000
+ABSENT, WAITING = 0, 1
+_mailboxes = np.zeros((MAX_WORKERS, 8), np.int64)
+_linger_ns = np.array([LINGER_NS], np.int64)
+export_symbol("jaxllm_cpu_ffi_mailboxes", _mailboxes.ctypes.data)
+export_symbol("jaxllm_cpu_ffi_linger_ns", _linger_ns.ctypes.data)
+export_symbol("jaxllm_cpu_ffi_clock_gettime", ctypes.cast(ctypes.CDLL(None).clock_gettime, ctypes.c_void_p).value)
+_mailboxes_address, _clock = symbol("jaxllm_cpu_ffi_mailboxes"), symbol("jaxllm_cpu_ffi_clock_gettime", True)
+_linger_address = symbol("jaxllm_cpu_ffi_linger_ns")
+
+
+def set_linger(ns: int) -> int:
+    """Sets how long an idle helper waits for the next launch (0: it leaves at once); returns the previous wait."""
+    previous = int(_linger_ns[0])
+    _linger_ns[0] = max(0, int(ns))
+    return previous
+
+
+def lingering() -> list[int]:
+    """The mailboxes' states (ABSENT, WAITING, or a posted slot's address) and how many slots each has run:
+    [(state, runs)] for boxes 1 .. workers() - 1."""
+    return [(int(_mailboxes[w, 0]), int(_mailboxes[w, 1])) for w in range(1, WORKERS)]
+
+
+def _after_fork_in_child() -> None:
+    """A forked child has none of its parent's pool threads: no helper waits on a box, no task holds a slot."""
+    _mailboxes.fill(ABSENT)
+    _slots.fill(0)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 API_SCHEDULE, API_ERROR_DESTROY = 136, 64  # XLA_FFI_Api: XLA_FFI_ThreadPool_Schedule, XLA_FFI_Error_Destroy
 _CACHED = dict(nogil=True, cache=True)
 
@@ -394,12 +467,47 @@ def _drain(slot, worker):
     fetch_add(slot + 16, done)
 
 
+@numba.njit(inline="always", **_CACHED)
+def _help(slot):
+    """A helper's share of a launch: chunks as worker 1, 2, ... (in the order helpers join), then its reference
+    dropped."""
+    _drain(slot, 1 + fetch_add(slot + 24, 1))
+    fetch_add(slot, -1)
+
+
+@numba.njit(**_CACHED)
+def _linger():
+    """Waits on a free mailbox for slots posted to it, runs each, and leaves once none came for LINGER_NS."""
+    boxes, box = _mailboxes_address(), 0
+    if load64(_linger_address()) <= 0:
+        return
+    for w in range(1, workers()):
+        if compare_and_swap(boxes + 64 * w, ABSENT, WAITING):
+            box = boxes + 64 * w
+            break
+    if box == 0:
+        return
+    since, spins = call_clock(_clock()), 0
+    while True:
+        posted = load_acquire(box)
+        if posted != WAITING:
+            _help(posted)
+            fetch_add(box + 8, 1)
+            compare_and_swap(box, posted, WAITING)  # only this helper changes a box that holds a slot
+            since, spins = call_clock(_clock()), 0
+            continue
+        spins += 1
+        if spins % 64 == 0 and call_clock(_clock()) - since >= load64(_linger_address()) and \
+                compare_and_swap(box, WAITING, ABSENT):
+            return  # (had the swap failed, a slot was posted just then: the loop runs it)
+        spin_pause()
+
+
 @numba.cfunc(types.void(types.voidptr), nopython=True, cache=True)
 def _task(data):
-    """A helper on XLA's pool."""
-    slot = to_int(data)
-    _drain(slot, 1 + fetch_add(slot + 24, 1))
-    fetch_add(slot, -1)  # drop this task's reference
+    """A helper on XLA's pool: its share of the launch that scheduled it, then a linger for the next ones."""
+    _help(to_int(data))
+    _linger()
 
 
 export_symbol("jaxllm_cpu_ffi_task", _task.address)
@@ -408,9 +516,9 @@ export_symbol("jaxllm_cpu_ffi_task", _task.address)
 @numba.njit(**_CACHED)
 def launch(frame, words, num_chunks, chunk_fn, split):
     """Runs ``chunk_fn(words_addr, chunk)`` (a C function: a numba cfunc ``void(int64, int64)``) for every chunk,
-    shared by the calling thread and up to ``workers() - 1`` tasks on XLA's pool; ``words`` (a tuple of at most
-    32 int64: addresses, sizes) is what the chunks read their arguments from, at ``words_addr``. Returns when every
-    chunk is done.
+    shared by the calling thread and up to ``workers() - 1`` helpers (lingering ones first, then tasks scheduled on
+    XLA's pool); ``words`` (a tuple of at most 32 int64: addresses, sizes) is what the chunks read their arguments
+    from, at ``words_addr``. Returns when every chunk is done.
 
     Chunks are claimed in order from one shared counter, or with ``split`` each worker starts on its own
     contiguous range (its memory reads stream, and claims do not contend) and then steals what is left of the
@@ -439,7 +547,13 @@ def launch(frame, words, num_chunks, chunk_fn, split):
         start, end = (w * num_chunks // parts, (w + 1) * num_chunks // parts) if w < parts else (0, 0)
         store64(slot + _RANGES_AT + 64 * w, start)
         store64(slot + _RANGES_AT + 64 * w + 8, end)
-    if helpers > 0:
+    posted = 0
+    if helpers > 0:  # first to helpers waiting on their mailboxes, the rest as tasks on XLA's pool
+        boxes = _mailboxes_address()
+        for w in range(1, n):
+            if posted < helpers and compare_and_swap(boxes + 64 * w, WAITING, slot):
+                posted += 1
+    if helpers > posted:
         api, ctx = load64(frame + 16), load64(frame + 24)
         schedule_args = _schedule_args()  # XLA_FFI_ThreadPool_Schedule_Args
         store64(schedule_args, 40)
@@ -447,7 +561,7 @@ def launch(frame, words, num_chunks, chunk_fn, split):
         store64(schedule_args + 16, ctx)
         store64(schedule_args + 24, _task_address())
         store64(schedule_args + 32, slot)
-        for _ in range(helpers):
+        for _ in range(helpers - posted):
             error = call_c(load64(api + API_SCHEDULE), schedule_args)
             if error != 0:  # no thread pool here: the caller does every chunk
                 fetch_add(slot, -1)

@@ -54,3 +54,77 @@ def test_keep_alive_holds_an_array_known_only_by_its_address():
 
     assert reuses(False) > 0  # the hazard is real in this numba (else this test proves nothing)
     assert reuses(True) == 0
+
+
+def _matmul_and_reference():
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.skinny_matmul.cpu import matmul
+
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.standard_normal((2, 256), np.float32)), jnp.asarray(rng.standard_normal((512, 256),
+                                                                                                  np.float32))
+    f = jax.jit(matmul)
+    return (lambda: np.asarray(f(x, w))), np.asarray(x) @ np.asarray(w).T
+
+
+def _until(predicate, seconds: float = 2.0) -> bool:
+    import time
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    return True
+
+
+@pytest.fixture
+def long_linger():
+    from pallas_kernels.cpu_ffi import WORKERS, busy_slots, lingering, set_linger
+
+    if WORKERS < 2:
+        pytest.skip("one core: a launch has no helper to linger")
+    previous = set_linger(10**9)
+    yield lingering
+    set_linger(0)
+    assert _until(lambda: all(state == 0 for state, _ in lingering()))  # every helper left
+    set_linger(previous)
+    assert busy_slots() == 0
+
+
+def test_a_helper_lingers_and_takes_the_next_launch(long_linger):
+    """After its share of a launch, a helper waits on its mailbox, and the next launch hands it a slot there (no
+    task scheduled): the outputs are the same."""
+    import numpy as np
+
+    from pallas_kernels.cpu_ffi import WAITING
+
+    run, expected = _matmul_and_reference()
+    np.testing.assert_allclose(run(), expected, rtol=1e-4, atol=1e-3)
+    assert _until(lambda: any(state == WAITING for state, _ in long_linger()))
+    before = sum(runs for _, runs in long_linger())
+    for _ in range(5):
+        np.testing.assert_allclose(run(), expected, rtol=1e-4, atol=1e-3)
+    assert sum(runs for _, runs in long_linger()) > before
+
+
+def test_a_forked_child_has_no_lingering_helpers(long_linger):
+    """A child process has none of its parent's pool threads: a mailbox still marked waiting would be posted to
+    and never served."""
+    import warnings
+
+    import numpy as np
+
+    from pallas_kernels.cpu_ffi import WAITING, _mailboxes, _slots
+
+    run, _ = _matmul_and_reference()
+    run()
+    assert _until(lambda: any(state == WAITING for state, _ in long_linger()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # JAX warns that a fork of a multithreaded process may deadlock
+        pid = os.fork()
+    if pid == 0:
+        os._exit(0 if not np.any(_mailboxes) and not np.any(_slots) else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
