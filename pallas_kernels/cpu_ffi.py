@@ -390,16 +390,17 @@ _slot_on_stack, _schedule_args, _destroy_args = _stack_words(MAX_SLOT_WORDS), _s
 # Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
 # thread wants it) a spin must not hold a core for a whole time slice.
 SPINS_BEFORE_YIELD = 1000
-# Lingering helpers. XLA's pool puts an idle worker to sleep after a short spin, and waking it costs a launch
+# Lingering helpers. XLA's pool puts an idle worker to sleep after a short spin, and waking it cost a launch
 # 10-30 us on a VM: a step's launches are separated by a few us of small XLA ops on the calling thread (norms,
-# residual adds, the layer loop's bookkeeping), longer after a step of work on that thread alone, and a woken
-# helper came in late for the call that followed (docs/performance.md, "A step that keeps its helper awake"). So a
-# helper task, once its own chunks are done, waits up to LINGER_NS on a mailbox of its own (a cache line of
-# `_mailboxes`), and a launch hands its slot to a waiting helper with one compare-and-swap instead of scheduling a
-# task. A mailbox holds ABSENT (nobody waits on it), WAITING (a helper polls it) or the address of a slot posted to
-# that helper; the line's next word counts the slots run from it. Box w (1 <= w < workers()) is for one helper at a
-# time; a helper that finds every box taken leaves. The wait is read at run time (`set_linger`).
-LINGER_NS = 100_000
+# residual adds, the layer loop's bookkeeping), steps by the host's work (85 us median, 280 us p90 for a single
+# stream with async scheduling), and a woken helper came in late for the call that followed (docs/performance.md,
+# "Helpers that linger"). So a helper task, once its own chunks are done, waits up to LINGER_NS on a mailbox of its
+# own (a cache line of `_mailboxes`), yielding its core to any thread that wants it, and a launch hands its slot to
+# a waiting helper with one compare-and-swap instead of scheduling a task. A mailbox holds ABSENT (nobody waits on
+# it), WAITING (a helper polls it) or the address of a slot posted to that helper; the line's next word counts the
+# slots run from it. Box w (1 <= w < workers()) is for one helper at a time; a helper that finds every box taken
+# leaves. The wait is read at run time (`set_linger`).
+LINGER_NS = 1_000_000
 ABSENT, WAITING = 0, 1
 _mailboxes = np.zeros((MAX_WORKERS, 8), np.int64)
 _linger_ns = np.array([LINGER_NS], np.int64)
@@ -497,9 +498,10 @@ def _linger():
             since, spins = call_clock(_clock()), 0
             continue
         spins += 1
-        if spins % 64 == 0 and call_clock(_clock()) - since >= load64(_linger_address()) and \
-                compare_and_swap(box, WAITING, ABSENT):
-            return  # (had the swap failed, a slot was posted just then: the loop runs it)
+        if spins % 64 == 0:
+            if call_clock(_clock()) - since >= load64(_linger_address()) and compare_and_swap(box, WAITING, ABSENT):
+                return  # (had the swap failed, a slot was posted just then: the loop runs it)
+            call_c0(_sched_yield())  # a thread that wants this core (a server's request thread) gets it
         spin_pause()
 
 
@@ -576,6 +578,7 @@ def launch(frame, words, num_chunks, chunk_fn, split):
         spins += 1
         if spins > SPINS_BEFORE_YIELD:
             call_c0(_sched_yield())
+        spin_pause()
     if helpers > 0:
         fetch_add(slot, -1)
 
