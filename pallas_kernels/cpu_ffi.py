@@ -21,6 +21,7 @@ import os
 import platform
 import re
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -33,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 _ARCH = platform.machine().lower()
-_CLOCK_MONOTONIC = 1  # Linux's clockid; `call_clock` needs a 64-bit time_t and long (an LP64 Linux)
+_CLOCK_MONOTONIC = time.CLOCK_MONOTONIC  # this platform's clockid (`call_clock` takes timespec as two 64-bit words)
 
 
 def drop_stale_cache(module_file: str) -> None:
@@ -418,7 +419,7 @@ def set_linger(ns: int) -> int:
     return previous
 
 
-def lingering() -> list[int]:
+def lingering() -> list[tuple[int, int]]:
     """The mailboxes' states (ABSENT, WAITING, or a posted slot's address) and how many slots each has run:
     [(state, runs)] for boxes 1 .. workers() - 1."""
     return [(int(_mailboxes[w, 0]), int(_mailboxes[w, 1])) for w in range(1, WORKERS)]
@@ -478,7 +479,8 @@ def _help(slot):
 
 @numba.njit(**_CACHED)
 def _linger():
-    """Waits on a free mailbox for slots posted to it, runs each, and leaves once none came for LINGER_NS."""
+    """Waits on a free mailbox for slots posted to it, runs each, and leaves once none came for the wait
+    `set_linger` sets (LINGER_NS unless changed)."""
     boxes, box = _mailboxes_address(), 0
     if load64(_linger_address()) <= 0:
         return
@@ -657,7 +659,6 @@ def register_once(target: str, load_handler) -> None:
 def busy_slots(settle_s: float = 1.0) -> int:
     """Slots still referenced once in-flight work settles (a helper task may start, find nothing left, and
     drop its reference just after its launch returned): a leak check for tests."""
-    import time
     deadline = time.monotonic() + settle_s
     while np.count_nonzero(_slots[:, 0]) and time.monotonic() < deadline:
         time.sleep(0.001)
