@@ -391,18 +391,19 @@ _slot_on_stack, _schedule_args, _destroy_args = _stack_words(MAX_SLOT_WORDS), _s
 # Waiting for a helper's last chunk spins, then yields the core: on an oversubscribed host (a server's request
 # thread wants it) a spin must not hold a core for a whole time slice.
 SPINS_BEFORE_YIELD = 1000
-# Lingering helpers. XLA's pool puts an idle worker to sleep after a short spin, and waking it cost a launch
-# 10-30 us on a VM: a step's launches are separated by a few us of small XLA ops on the calling thread (norms,
-# residual adds, the layer loop's bookkeeping), steps by the host's work (85 us median, 280 us p90 for a single
-# stream with async scheduling), and a woken helper came in late for the call that followed (docs/performance.md,
-# "Helpers that linger"). So a helper task, once its own chunks are done, waits up to LINGER_NS on a mailbox of its
-# own (a cache line of `_mailboxes`), yielding its core to any thread that wants it, and a launch hands its slot to
-# a waiting helper with one compare-and-swap instead of scheduling a task. A mailbox holds ABSENT (nobody waits on
-# it), WAITING (a helper polls it) or the address of a slot posted to that helper; the line's next word counts the
-# slots run from it. Box w (1 <= w < workers()) is for one helper at a time; a helper that finds every box taken
-# leaves. The wait is read at run time (`set_linger`). 300 us covers most gaps between steps, and on 2 cores it
-# measured as fast as 1 ms. It also bounds what a waiting helper costs XLA's own parallel ops (a float32 prefill's
-# dots): they run without that pool thread until it leaves.
+# Lingering helpers. XLA's pool puts an idle worker to sleep after a short spin, and a launch that had to wake it
+# waited ~30-40 us on a VM (an output projection after a step of work on the calling thread alone: 44-56 us a call,
+# 15-18 us with the worker awake). A step's launches are separated by a few us of small XLA ops on the calling
+# thread (norms, residual adds, the layer loop's bookkeeping), steps by the host's work (85 us median, 280 us p90
+# for a single stream with async scheduling), and a woken helper came in late for the call that followed
+# (docs/performance.md, "Helpers that linger"). So a helper task, once its own chunks are done, waits up to
+# LINGER_NS on a mailbox of its own (a cache line of `_mailboxes`), yielding its core to any thread that wants it,
+# and a launch hands its slot to a waiting helper with one compare-and-swap instead of scheduling a task. A mailbox
+# holds ABSENT (nobody waits on it), WAITING (a helper polls it) or the address of a slot posted to that helper; the
+# line's next word counts the slots run from it. Box w (1 <= w < workers()) is for one helper at a time; a helper
+# that finds every box taken leaves. The wait is read at run time (`set_linger`). 300 us covers most gaps between
+# steps, and on 2 cores it measured as fast as 1 ms. It also bounds what a waiting helper costs XLA's own parallel
+# ops (a float32 prefill's dots): they run without that pool thread until it leaves.
 LINGER_NS = 300_000
 ABSENT, WAITING = 0, 1
 _mailboxes = np.zeros((MAX_WORKERS, 8), np.int64)
@@ -483,9 +484,9 @@ def _help(slot):
 def _linger():
     """Waits on a free mailbox for slots posted to it, runs each, and leaves once none came for the wait
     `set_linger` sets (LINGER_NS unless changed)."""
-    boxes, box = _mailboxes_address(), 0
     if load64(_linger_address()) <= 0:
         return
+    boxes, box = _mailboxes_address(), 0
     for w in range(1, workers()):
         if compare_and_swap(boxes + 64 * w, ABSENT, WAITING):
             box = boxes + 64 * w
@@ -557,7 +558,9 @@ def launch(frame, words, num_chunks, chunk_fn, split):
     if helpers > 0:  # first to helpers waiting on their mailboxes, the rest as tasks on XLA's pool
         boxes = _mailboxes_address()
         for w in range(1, n):
-            if posted < helpers and compare_and_swap(boxes + 64 * w, WAITING, slot):
+            if posted == helpers:
+                break
+            if compare_and_swap(boxes + 64 * w, WAITING, slot):
                 posted += 1
     if helpers > posted:
         api, ctx = load64(frame + 16), load64(frame + 24)
