@@ -446,7 +446,7 @@ def workers():
 
 
 @intrinsic
-def _call_chunk(typingctx, fn, words, chunk):
+def call_chunk(typingctx, fn, words, chunk):
     """Calls the C function at address ``fn`` as ``void fn(int64 words, int64 chunk)``."""
     def codegen(context, builder, sig, args):
         i64 = ir.IntType(64)
@@ -467,7 +467,7 @@ def _drain(slot, worker):
             c = fetch_add(counter, 1)
             if c >= end:
                 break
-            _call_chunk(fn, slot + _WORDS_AT, c)
+            call_chunk(fn, slot + _WORDS_AT, c)
             done += 1
     fetch_add(slot + 16, done)
 

@@ -133,9 +133,11 @@ def _enable_lora(config: EngineConfig, model: Model) -> None:
         raise ConfigError("enable_lora: LoRA adapters run on text decoder models (Llama-family layers)")
     lora.enable(model, config.max_loras, config.max_lora_rank, config.lora_dtype)
     if jax.default_backend() == "cpu":  # now, not when first traced: a step loaded from the executable cache is
-        from pallas_kernels.lora_delta.cpu import register  # never traced, and its custom call needs the target
+        from pallas_kernels.lora_delta import cpu, cpu_fused  # never traced, and its custom calls need the targets
 
-        register()
+        cpu.register()
+        if model.kernels.matmul == "cpu" and model.kernels.int8_isa is not None:
+            cpu_fused.register_all(model.kernels.int8_isa)
 
 
 def _speculative(config: EngineConfig, model: Model, tasks: tuple[str, ...]) -> SpeculativeConfig | None:

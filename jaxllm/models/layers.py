@@ -75,12 +75,18 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, lora_slots: jax.Array | None = None) -> jax.Array:
         """lora_slots [T] int32 (x [T, in]): each row's adapter slot (-1: none), on a layer with LoRA tables."""
-        y = self._base(x)
         if lora_slots is None or self.lora_a is None:
-            return y
-        from jaxllm.models.lora import delta
-        return y + delta(x, self.lora_a.get_value(), self.lora_b.get_value(), lora_slots, self.lora_fused,
-                         self.kernels.matmul).astype(y.dtype)
+            return self._base(x)
+        from jaxllm.models.lora import delta, fused_matmul
+        a, b = self.lora_a.get_value(), self.lora_b.get_value()
+        if self.quant is not None and self.bias is None:
+            fused = fused_matmul(self.kernels, x, self.quant, _values(self.weight, self.weight_scale,
+                                                                      self.weight_offset), a, b, lora_slots,
+                                 self.lora_fused)
+            if fused is not None:
+                return fused
+        y = self._base(x)
+        return y + delta(x, a, b, lora_slots, self.lora_fused, self.kernels.matmul).astype(y.dtype)
 
     def _base(self, x: jax.Array) -> jax.Array:
         if self.quant is not None:
@@ -95,8 +101,12 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
+def _values(data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None) -> list:
+    return [v.get_value() if v is not None else None for v in (data, scale, offset)]
+
+
 def _quantized_matmul(kernels, x, fmt: QuantFormat, data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None):
-    values = [v.get_value() if v is not None else None for v in (data, scale, offset)]
+    values = _values(data, scale, offset)
     matmul = quantized_matmul_kernel(kernels)
     if isinstance(values[0], LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
         w = QuantizedWeight(*(None if v is None else v.stacked for v in values))

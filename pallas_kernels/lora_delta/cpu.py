@@ -34,6 +34,15 @@ def applies(x: jax.Array, a: jax.Array, b: jax.Array) -> bool:
             and a.dtype in TABLE_DTYPES)
 
 
+def parts_operand(parts: np.ndarray | None) -> np.ndarray:
+    """The kernel's parts operand: [out] each output's part, [2] gate/up's alternating parts (the kernel reads no
+    per-output parts then), [1] one part."""
+    rows = np.zeros(1, np.int32) if parts is None else np.asarray(parts, np.int32)
+    if parts is not None and len(rows) % 2 == 0 and np.array_equal(rows, np.arange(len(rows)) % 2):
+        rows = rows[:2]
+    return rows
+
+
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots: jax.Array,
                parts: np.ndarray | None) -> jax.Array:
     """As `reference.lora_delta`: x [T, in], a [L, S, P * R, in], b [L, S, R, out], layer [], slots [T] -> [T, out]."""
@@ -41,9 +50,7 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, layer: jax.Array, slots
         return reference_delta(x, a, b, layer, slots, parts)
     register()
     t, out, width = x.shape[0], b.shape[3], a.shape[2]
-    rows = np.zeros(1, np.int32) if parts is None else np.asarray(parts, np.int32)
-    if parts is not None and len(rows) % 2 == 0 and np.array_equal(rows, np.arange(len(rows)) % 2):
-        rows = rows[:2]  # gate/up's alternating parts, said once (the kernel reads no per-output parts then)
+    rows = parts_operand(parts)
     y, _ = jax.ffi.ffi_call(TARGET, (jax.ShapeDtypeStruct((t, out), jnp.float32),
                                      jax.ShapeDtypeStruct((t, width), jnp.float32)))(
         x, a, b, jnp.asarray(layer, jnp.int32), slots.astype(jnp.int32), jnp.asarray(rows))

@@ -117,11 +117,12 @@ def _axpy_intrinsic(by_element):
 axpy, axpy_by = _axpy_intrinsic(False), _axpy_intrinsic(True)
 
 
-def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
+def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating, add=False):
     """y[i] = sum over ranks r in order, from zero, of fma(c_r(i), widen(src[r * stride + i]), .) for i < n, the
     rank sums of _VEC x _CHAINS outputs in registers (independent FMA chains), then _VEC, then one at a time:
     c_r(i) is the float at c0 + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at
-    c1 + 4 r for odd i."""
+    c1 + 4 r for odd i. add: y[i] += that sum instead (one rounding: what adding the term to a base output after
+    the kernel gives)."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, chains, start):
@@ -152,7 +153,8 @@ def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
             accs = ir_for(b, rank, [ir.Constant(vf, [0.0] * count)] * chains, rank_step)
             for j, acc in enumerate(accs):
                 at_j = b.add(at, ir.Constant(_I64, count * j))
-                b.store(acc, b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
+                y_at = b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer())
+                b.store(b.fadd(b.load(y_at, align=4), acc) if add else acc, y_at, align=4)
             return []
         return body
 
@@ -163,19 +165,20 @@ def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
         done = b.add(done, b.mul(steps, ir.Constant(_I64, count * chains)))
 
 
-def _expand_intrinsic(alternating):
+def _expand_intrinsic(alternating, add=False):
     @intrinsic
     def expand(typingctx, y, src, stride, c0, c1, rank, n, element):
-        """y[0:n] (float32 address) = the rank terms of src (B rows of `element`'s type from address src, `stride`
-        elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
+        """y[0:n] (float32 address) = (add: +=) the rank terms of src (B rows of `element`'s type from address src,
+        `stride` elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
         def codegen(context, b, sig, args):
-            _expand(b, *args[:7], sig.args[7], alternating)
+            _expand(b, *args[:7], sig.args[7], alternating, add)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 7, element), codegen
     return expand
 
 
 expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
+expand_add, expand_alternating_add = _expand_intrinsic(False, True), _expand_intrinsic(True, True)
 
 
 A_ROWS = 4  # rows of A a token's first-pass step meets at once (its input loaded once for them)
@@ -259,14 +262,15 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
     whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
-    part = np.zeros(out, np.int32)  # (the pattern needs none)
+    listed = 0 if whole else out  # outputs whose parts and runs are listed (the pattern needs none)
+    part = np.zeros(listed, np.int32)
     if alternating and not whole:
         for o in range(out):
             part[o] = (o0 + o) % 2
     elif parts_p != 0:
         for o in range(out):
             part[o] = load32(parts_p + 4 * (o0 + o))
-    runs = np.empty((max(out, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
+    runs = np.empty((max(listed, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
     n_runs = 0
     if alternating and not whole:
         runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, -1
@@ -278,7 +282,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                 runs[n_runs, 0], runs[n_runs, 1], runs[n_runs, 2] = start, o - start, part[start]
                 n_runs += 1
                 start = o
-    pattern = np.empty(STREAM_PATTERN, np.float32)
+    pattern = np.empty(STREAM_PATTERN if whole else 1, np.float32)
     stride = b.shape[2]
     for tok in range(y.shape[0]):
         s = slots[tok]
@@ -410,17 +414,16 @@ _b_bf16 = symbol("jaxllm_cpu_lora_b_bf16_chunk", True)
 
 
 @numba.njit(inline="always", **_KW)
-def _run(frame, table_type, itemsize, a_chunk, b_chunk):
-    """`_execute` for tables of `table_type` (``itemsize`` bytes), its launches' chunks at ``a_chunk`` /
-    ``b_chunk``."""
+def call_words(frame, first, y_p, u_p, itemsize):
+    """The launch words (`_views`' order, then the alternating flag and the second pass's outputs a chunk) of a
+    call whose operands x, a, b, layer, slots, parts are its inputs first, first + 1, ..., writing the term to y_p
+    (its u scratch at u_p), tables of ``itemsize`` bytes: the tables' addresses at the clamped layer."""
     x_p, x_d = buffer(frame, 0)
-    a_p, a_d = buffer(frame, 1)
-    b_p, b_d = buffer(frame, 2)
-    layer_p, _ = buffer(frame, 3)
-    slots_p, _ = buffer(frame, 4)
-    parts_p, parts_d = buffer(frame, 5)
-    y_p, _ = buffer(frame, 0, True)
-    u_p, _ = buffer(frame, 1, True)
+    a_p, a_d = buffer(frame, first)
+    b_p, b_d = buffer(frame, first + 1)
+    layer_p, _ = buffer(frame, first + 2)
+    slots_p, _ = buffer(frame, first + 3)
+    parts_p, parts_d = buffer(frame, first + 4)
     t, n = dim(x_d, 0), dim(x_d, 1)
     s_count, w, rank, o = dim(a_d, 1), dim(a_d, 2), dim(b_d, 2), dim(b_d, 3)
     layer = min(max(np.int64(load32(layer_p)), 0), dim(a_d, 0) - 1)
@@ -431,7 +434,16 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
         parts_p = 0
     unit = STREAM_PATTERN if alternating else COLS_PER_CHUNK  # a chunk's outputs: whole patterns
     per = unit * (((o + unit - 1) // unit + workers() - 1) // workers())
-    words = (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), per)
+    return (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), per)
+
+
+@numba.njit(inline="always", **_KW)
+def _run(frame, table_type, itemsize, a_chunk, b_chunk):
+    """`_execute` for tables of `table_type` (``itemsize`` bytes), its launches' chunks at ``a_chunk`` /
+    ``b_chunk``."""
+    words = call_words(frame, 1, buffer(frame, 0, True)[0], buffer(frame, 1, True)[0], itemsize)
+    x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, flag, per = words
+    alternating = flag != 0
     x, a, b, _, slots, u, y = _views(x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count,
                                      table_type)
     if t * w * n <= SERIAL_MACS:  # (a decode step's) on this thread: waking the pool would cost more

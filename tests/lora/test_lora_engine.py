@@ -247,3 +247,36 @@ def test_an_adapter_over_a_quantized_gguf_base(tiny_model_dir, tmp_path, compile
     prompts = _prompts(17)
     assert [_hf_greedy(peft_model, p) for p in prompts] != [_hf_greedy(hf_model, p) for p in prompts]
     assert_greedy_within(llm, peft_model, prompts, lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
+
+
+def test_an_adapter_over_a_quantized_base_on_the_int8_path_is_one_call_a_layer(tiny_model_dir, tmp_path,
+                                                                              compile_cache_dir, monkeypatch):
+    """On the host's int8 path (what `LLM()` runs on such a CPU) each quantized layer's matmul and adapter term are
+    one custom call (`pallas_kernels.lora_delta.cpu_fused`) in decode steps, the two kernels apart in longer ones:
+    greedy tokens within the quantization's rounding of transformers + peft over the float base."""
+    from gguf import GGMLQuantizationType
+
+    from pallas_kernels.lora_delta import cpu_fused
+    from pallas_kernels.quantized_matmul import isa
+    from tests.gguf_writer import write_llama_gguf
+    from tests.quantized_greedy import assert_greedy_within
+
+    if not isa.available() or isa.available() == ("amx",):
+        pytest.skip(f"no int8 lane path on this CPU ({isa.describe()})")
+    path_isa = next(p for p in isa.available() if p != "amx")
+    monkeypatch.setenv(isa.ENV, path_isa)
+    _, hf_model = tiny_model_dir("llama")
+    path = write_llama_gguf(hf_model, tmp_path / "tiny-q8_0.gguf", GGMLQuantizationType.Q8_0)
+    peft_model = _make_adapter(hf_model, tmp_path / "a", ["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"], 8,
+                               7)
+    llm = LLM(str(path), max_num_seqs=4, max_num_batched_tokens=80, num_pages=64, max_model_len=64, page_size=4,
+              compilation_cache_dir=compile_cache_dir, enable_lora=True, max_loras=2, max_lora_rank=8)
+    runner = llm.engine.runner
+    assert llm.engine.model.kernels.int8_isa == path_isa
+    decode = runner.build(runner.bucket_for(1, 1)).as_text()
+    prefill = runner.build(runner.bucket_for(80, 1)).as_text()
+    fused = [cpu_fused.target(path_isa, x16) for x16 in (False, True)]
+    assert sum(decode.count(f'"{t}"') for t in fused) >= 4  # the four quantized layers of a decoder layer
+    assert not any(t in prefill for t in fused) and "jaxllm_cpu_lora_delta" in prefill
+    prompts = _prompts(19)
+    assert_greedy_within(llm, peft_model, prompts, lora_request=LoRARequest("a", 1, str(tmp_path / "a")))
