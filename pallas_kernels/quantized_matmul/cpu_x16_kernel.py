@@ -71,7 +71,7 @@ def _emit_pass(b, bits, half, off_mode, m, args):
 
     def body(blk, accs):
         w_at = b.add(data, b.mul(blk, _c(64 * words)))
-        with b.if_then(b.icmp_signed("!=", ahead, _c(0))):  # a decode step: the next group's block, into L2
+        with b.if_then(b.icmp_signed("!=", ahead, _c(0))):  # a first pass: the next group's block, into L2
             nxt = b.add(ahead, b.mul(blk, _c(64 * words)))
             fn = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
             for line in range(words):
@@ -156,12 +156,15 @@ def chunk_fn(bits: int, half: bool, grouped: bool = False):
         blocks = n // 32
         sums = load64(words + 112)  # the inputs' exact block sums [t, blocks] int32 (the handler's launch words)
         data, scale, offset = data + r0 * p, scale + r0 * groups * size, offset + r0 * offset_groups * size
-        ahead = data + ROWS * p if t == 1 and r1 + ROWS <= o else 0
+        # the first pass hints the next group's blocks into L2 as it reads its own (the passes after it find the
+        # group in cache): without it a step of a few inputs ran the memory reads and the arithmetic one after the
+        # other (docs/performance.md, "Prefetching for every step size")
+        ahead = data + ROWS * p if r1 + ROWS <= o else 0
         t0 = 0
         while t0 < t:
             m = min(MAX_INPUTS, t - t0)
             passes(kind * MAX_INPUTS + m - 1, data, scale, offset, xq + t0 * n, n, xd + 4 * t0 * blocks,
                    xs + 4 * t0 * blocks, sums + 4 * t0 * blocks, 4 * blocks, blocks, y + 4 * (t0 * o + r0), 4 * o,
-                   ahead)
+                   ahead if t0 == 0 else 0)
             t0 += m
     return chunk
