@@ -86,40 +86,54 @@ def store_features(cache: jax.Array, slots: jax.Array, features: jax.Array) -> j
     return cache.at[jnp.where(slots >= 0, slots, n)].set(features.astype(cache.dtype), mode="drop")
 
 
-HEAD_TIERS = (1, 8, 32)  # rows the LM head may run on below a step's N, on CPU (`_head`)
+HEAD_TIERS = (1, 8, 32)  # rows the LM head and sampler may run on below a step's N, on CPU (`_sample_rows`)
 
 
-def _head(model, hidden: jax.Array, rows: jax.Array, live: jax.Array) -> jax.Array:
-    """The LM head on `rows` [N] of hidden [T, E] -> logits [N, V], computed for the first of HEAD_TIERS' row
-    counts (or N) that holds the `live` rows in use (a prefix), the others zeros. A bucket's N is its sequence
-    count, min(T, max_num_seqs): a lone prompt's prefill step of 320 tokens has N = 64, 63 of them padding, and
-    on CPU each row costs its full matmul. A row's logits do not depend on the row count (the kernels' rows are
-    independent: batch invariance). On GPU and TPU a step computes all N rows: there the head at these row counts
-    should be bound by reading its weights, not by its rows (inferred, not measured on a device), and one branch
-    keeps one executable's code, not four."""
+def _sample_rows(model, hidden, rows, sampling: SamplingTensors, live: jax.Array):
+    """The LM head on `rows` [N] of hidden [T, E] and their tokens -> (tokens [N], packed [N, 3 + 2 * 20] i32),
+    computed for the first of HEAD_TIERS' row counts (or N) that holds the `live` rows in use (a prefix), the
+    other rows zeros. A bucket's N is its sequence count, min(T, max_num_seqs): a lone prompt's prefill step of 320
+    tokens has N = 64, 63 of them padding, and on CPU each row costs its full matmul, and its sampling over the
+    vocabulary (padding one row's logits to 64 and sampling them all took ~4.3 ms of a 41 ms 120-token prefill on
+    the Zen 5 EPYC: docs/performance.md). A row's logits and token do not depend on the row count (the kernels'
+    rows are independent, the sampler works row by row: batch invariance). On GPU and TPU a step computes all N
+    rows: there the head at these row counts should be bound by reading its weights, not by its rows (inferred,
+    not measured on a device), and one branch keeps one executable's code, not four."""
     n = rows.shape[0]
     tiers = [t for t in HEAD_TIERS if t < n and model.kernels.platform == "cpu"] + [n]
-    if len(tiers) == 1:
-        return model.logits(hidden[rows])
 
     def tier(m: int):
         def run():
-            logits = model.logits(hidden[rows[:m]])
-            return logits if m == n else jnp.pad(logits, ((0, n - m), (0, 0)))
+            with jax.named_scope("logits"):
+                logits = model.logits(hidden[rows[:m]])  # [m, V]: only the rows that get a token
+            with jax.named_scope("sampler"):
+                out = sample(logits, _first_rows(sampling, m, n), model.kernels.platform)
+            tokens, packed = _pack(*out)
+            if m == n:
+                return tokens, packed
+            return jnp.pad(tokens, (0, n - m)), jnp.pad(packed, ((0, n - m), (0, 0)))
         return run
+    if len(tiers) == 1:
+        return tier(n)()
     index = jnp.sum(jnp.asarray(tiers[:-1], jnp.int32) < live, dtype=jnp.int32)  # the first tier >= live
     return jax.lax.switch(index, [tier(m) for m in tiers])
 
 
-def _sample_rows(model, hidden, rows, sampling: SamplingTensors, live: jax.Array):
-    """The LM head on `rows` of hidden [T, E] (the first `live` of them in use: `_head`) and their tokens ->
-    (tokens [N], packed [N, 3 + 2 * 20] i32)."""
-    with jax.named_scope("logits"):
-        logits = _head(model, hidden, rows, live)  # [N, V]: only the rows that get a token
-    with jax.named_scope("sampler"):
-        tokens, logprobs, ranks, top_ids, top_logprobs = sample(logits, sampling, model.kernels.platform)
+def _first_rows(t: SamplingTensors, m: int, n: int) -> SamplingTensors:
+    """The sampling inputs of the first m of n sample rows (the penalty history stays whole where rows point into
+    it)."""
+    if m == n:
+        return t
+    history = t.history[:m] if t.history_rows is None else t.history
+    rows = jax.tree.map(lambda a: a[:m] if a.ndim and a.shape[0] == n else a,
+                        dataclasses.replace(t, history=None, history_rows=None))
+    return dataclasses.replace(rows, history=history,
+                               history_rows=None if t.history_rows is None else t.history_rows[:m])
+
+
+def _pack(tokens, logprobs, ranks, top_ids, top_logprobs):
+    """(tokens, packed [N, 3 + 2 * 20] i32): one transfer a step instead of five, `unpack`ed on the host."""
     bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.int32)
-    # one transfer a step instead of five, `unpack`ed on the host
     return tokens, jnp.concatenate([tokens[:, None], bits(logprobs)[:, None], ranks[:, None], top_ids,
                                     bits(top_logprobs)], axis=1)
 
