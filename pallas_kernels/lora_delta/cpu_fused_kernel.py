@@ -37,7 +37,6 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     is_execute,
     keep_alive,
     launch,
-    load32,
     load64,
     load_acquire,
     spin_pause,
@@ -61,9 +60,9 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
     QUANTIZE_ROWS,
     ROWS_PER_CHUNK,
     _chunk_symbols,
-    _operands,
     _pick,
     _quantize_chunk_fn,
+    layer_operands,
 )
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
@@ -200,13 +199,8 @@ def handler(isa: str, interleaved: bool = False):
         d [T, out] f32 (scratch)."""
         frame = to_int(frame_ptr)
         if is_execute(frame):
-            (x_p, w_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
-             matrices) = _operands(frame)
-            layer_p, _ = buffer(frame, 4)
-            layer = min(max(np.int64(load32(layer_p)), 0), matrices - 1)
-            w_p += layer * o * p
-            s_p += layer * o * groups * scale_size
-            o_p += layer * o * offset_groups * scale_size
+            (x_p, w_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size,
+             four_bit) = layer_operands(frame)
             tables = buffer_dtype(frame, 5)
             lora = np.empty(U_STATE + 1, np.int64)
             d_p = buffer(frame, 5, True)[0]

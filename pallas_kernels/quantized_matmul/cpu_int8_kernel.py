@@ -525,6 +525,20 @@ def _operands(frame):
 
 
 @numba.njit(inline="always", **_KW)
+def layer_operands(frame):
+    """`_operands` with the weight's addresses at the layer its input 4 names (clamped into range, as XLA clamps a
+    dynamic slice's), less the matrix count."""
+    (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
+     matrices) = _operands(frame)
+    layer_p, _ = buffer(frame, 4)
+    layer = min(max(np.int64(load32(layer_p)), 0), matrices - 1)
+    d_p += layer * o * p
+    s_p += layer * o * groups * scale_size
+    o_p += layer * o * offset_groups * scale_size
+    return x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit
+
+
+@numba.njit(inline="always", **_KW)
 def _pick(four_bit, scale_size, q4_f16, q4_f32, q8_f16, q8_f32):
     """The chunk loop's address for the data's layout."""
     if four_bit:
@@ -543,13 +557,8 @@ def _build(isa: str, interleaved: bool):
         s8, xd and xs [T, in / 32] f32. The layer index is clamped into range, as XLA clamps a dynamic slice's."""
         frame = to_int(frame_ptr)
         if is_execute(frame):
-            (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size, four_bit,
-             matrices) = _operands(frame)
-            layer_p, _ = buffer(frame, 4)
-            layer = min(max(np.int64(load32(layer_p)), 0), matrices - 1)
-            d_p += layer * o * p
-            s_p += layer * o * groups * scale_size
-            o_p += layer * o * offset_groups * scale_size
+            (x_p, d_p, s_p, o_p, y_p, xq_p, xd_p, xs_p, t, n, o, p, groups, offset_groups, scale_size,
+             four_bit) = layer_operands(frame)
             sums = np.empty((t, n // 32), np.int32)
             sums_p = np.int64(sums.ctypes.data)
             launch(frame, (x_p, xq_p, xd_p, xs_p, t, n, sums_p), (t + QUANTIZE_ROWS - 1) // QUANTIZE_ROWS,
