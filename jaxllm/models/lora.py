@@ -11,7 +11,8 @@ shapes: nothing recompiles); the step gets each token's slot ([T] int32).
 
 A step of at most as many tokens as slots (a decode step of few sequences) gathers each token's own A and B and
 reads nothing else of the tables (on CPU every step runs `pallas_kernels.lora_delta`'s kernel,
-which reads each token's slot in place); a larger step runs the product over every slot with a one-hot mask (each
+which reads each token's slot in place; a quantized layer's decode-sized steps run it in the int8 matmul's own
+call, `fused_matmul`); a larger step runs the product over every slot with a one-hot mask (each
 token's row of ``x A^T`` kept for its own slot only, the others exact zeros), its cost the slot count times the
 rank, small next to the base matmul there. Either way a row's result depends on its own input and slot alone,
 not on the other rows' values, though the two paths may round differently.

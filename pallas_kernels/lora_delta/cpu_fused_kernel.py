@@ -8,9 +8,10 @@
   after the first pass is done (`first_pass_done`), into a scratch term; the calling thread then adds the term to
   the output, one rounding an output: the bits XLA's addition of the two kernels' results gives.
 
-A decode step of a single stream with an adapter makes 4 custom calls a layer instead of 8, its adapter's tables
-read by both threads beside the weights rather than by the calling thread alone. (Measured against the two calls:
-docs/performance.md, "Multi-LoRA".)"""
+A decode step of a single stream with an adapter makes 4 custom calls a layer instead of 8: its first pass overlaps
+the helper's matmul rows and its second is shared by both threads, where the separate kernel ran both on the
+calling thread alone (measured against the two calls: docs/performance.md, "The adapter's term in the matmul's
+call")."""
 
 from __future__ import annotations
 

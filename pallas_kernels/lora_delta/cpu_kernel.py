@@ -117,12 +117,11 @@ def _axpy_intrinsic(by_element):
 axpy, axpy_by = _axpy_intrinsic(False), _axpy_intrinsic(True)
 
 
-def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating, add=False):
+def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
     """y[i] = sum over ranks r in order, from zero, of fma(c_r(i), widen(src[r * stride + i]), .) for i < n, the
     rank sums of _VEC x _CHAINS outputs in registers (independent FMA chains), then _VEC, then one at a time:
     c_r(i) is the float at c0 + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at
-    c1 + 4 r for odd i. add: y[i] += that sum instead (one rounding: what adding the term to a base output after
-    the kernel gives)."""
+    c1 + 4 r for odd i."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, chains, start):
@@ -153,8 +152,7 @@ def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating, add=False)
             accs = ir_for(b, rank, [ir.Constant(vf, [0.0] * count)] * chains, rank_step)
             for j, acc in enumerate(accs):
                 at_j = b.add(at, ir.Constant(_I64, count * j))
-                y_at = b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer())
-                b.store(b.fadd(b.load(y_at, align=4), acc) if add else acc, y_at, align=4)
+                b.store(acc, b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
             return []
         return body
 
@@ -165,20 +163,19 @@ def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating, add=False)
         done = b.add(done, b.mul(steps, ir.Constant(_I64, count * chains)))
 
 
-def _expand_intrinsic(alternating, add=False):
+def _expand_intrinsic(alternating):
     @intrinsic
     def expand(typingctx, y, src, stride, c0, c1, rank, n, element):
-        """y[0:n] (float32 address) = (add: +=) the rank terms of src (B rows of `element`'s type from address src,
-        `stride` elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
+        """y[0:n] (float32 address) = the rank terms of src (B rows of `element`'s type from address src, `stride`
+        elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
         def codegen(context, b, sig, args):
-            _expand(b, *args[:7], sig.args[7], alternating, add)
+            _expand(b, *args[:7], sig.args[7], alternating)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 7, element), codegen
     return expand
 
 
 expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
-expand_add, expand_alternating_add = _expand_intrinsic(False, True), _expand_intrinsic(True, True)
 
 
 A_ROWS = 4  # rows of A a token's first-pass step meets at once (its input loaded once for them)
