@@ -80,8 +80,8 @@ class Linear(nnx.Module):
         from jaxllm.models.lora import delta, fused_matmul
         a, b = self.lora_a.get_value(), self.lora_b.get_value()
         if self.quant is not None and self.bias is None:
-            fused = fused_matmul(self.kernels, x, self.quant, _values(self.weight, self.weight_scale,
-                                                                      self.weight_offset), a, b, lora_slots,
+            fused = fused_matmul(self.kernels, x, self.quant, *_weight(self.weight, self.weight_scale,
+                                                                       self.weight_offset), a, b, lora_slots,
                                  self.lora_fused)
             if fused is not None:
                 return fused
@@ -101,17 +101,18 @@ class Linear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-def _values(data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None) -> list:
-    return [v.get_value() if v is not None else None for v in (data, scale, offset)]
+def _weight(data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None) -> tuple[QuantizedWeight, jax.Array | None]:
+    """(the weight's arrays, the layer to read): a layer of a scanned stack as its stacks and index (the kernel reads
+    its slice in place), else its own arrays and None."""
+    values = [v.get_value() if v is not None else None for v in (data, scale, offset)]
+    if isinstance(values[0], LayerSlice):
+        return QuantizedWeight(*(None if v is None else v.stacked for v in values)), values[0].index
+    return QuantizedWeight(*values), None
 
 
 def _quantized_matmul(kernels, x, fmt: QuantFormat, data: nnx.Param, scale: nnx.Param, offset: nnx.Param | None):
-    values = _values(data, scale, offset)
-    matmul = quantized_matmul_kernel(kernels)
-    if isinstance(values[0], LayerSlice):  # a layer of a scanned stack: the kernel reads its slice in place
-        w = QuantizedWeight(*(None if v is None else v.stacked for v in values))
-        return matmul(x, w, fmt, values[0].index)
-    return matmul(x, QuantizedWeight(*values), fmt)
+    w, layer = _weight(data, scale, offset)
+    return quantized_matmul_kernel(kernels)(x, w, fmt, layer)
 
 
 def row_sum(x: jax.Array) -> jax.Array:

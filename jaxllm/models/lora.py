@@ -173,11 +173,11 @@ def delta(x: jax.Array, a, b, slots: jax.Array, fused: tuple[int, ...] | None = 
     return jnp.einsum("tsr,sro->to", u, b.astype(x.dtype), precision=p)
 
 
-def fused_matmul(kernels, x: jax.Array, fmt, values: list, a, b, slots: jax.Array,
+def fused_matmul(kernels, x: jax.Array, fmt, w, layer: jax.Array | None, a, b, slots: jax.Array,
                  fused: tuple[int, ...] | None) -> jax.Array | None:
     """A quantized layer's product and adapter term in one CPU kernel call (`pallas_kernels.lora_delta.cpu_fused`)
-    where both CPU kernels would run, else None. values: the weight's (data, scale, offset), each an array or a
-    scanned layer's `LayerSlice`."""
+    where both CPU kernels would run, else None. w: the weight's `QuantizedWeight`, layer stacks read at `layer`
+    (None: a layer's own arrays)."""
     if kernels.matmul != "cpu":
         return None
     from pallas_kernels.lora_delta import cpu_fused
@@ -185,20 +185,11 @@ def fused_matmul(kernels, x: jax.Array, fmt, values: list, a, b, slots: jax.Arra
     x2 = x.reshape(-1, x.shape[-1])
     if not cpu_fused.applies(x2, fmt, kernels.int8_isa, a_stack, b_stack):
         return None
-    w, layer = _stack_weight(values)
+    if layer is None:  # a stack of one, as `_stack` gives a table's
+        w, layer = jax.tree.map(lambda v: v[None], w), 0
     y = cpu_fused.matmul(x2, w, fmt, layer, a_stack, b_stack, lora_layer, slots, row_parts(fused),
                          isa=kernels.int8_isa)
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _stack_weight(values: list):
-    """(the weight's arrays as layer stacks, the layer's index), as `_stack` gives a table's."""
-    from jaxllm.models.stacked_layers import LayerSlice
-    from pallas_kernels.quantized_matmul import QuantizedWeight
-
-    if isinstance(values[0], LayerSlice):
-        return QuantizedWeight(*(None if v is None else v.stacked for v in values)), values[0].index
-    return QuantizedWeight(*(None if v is None else v[None] for v in values)), 0
 
 
 def _stack(table) -> tuple[jax.Array, jax.Array | int]:
