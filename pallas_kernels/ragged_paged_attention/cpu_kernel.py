@@ -4,7 +4,7 @@ place.
 XLA:CPU runs the jnp reference as "gather the pages into a temporary, then batched matmuls"; for decode the
 matmuls are tiny (``group x head_dim`` by ``head_dim x block``) and the gathered copy is written and read
 again, so a decode step spends ~3x the KV bytes in memory traffic. This kernel walks each sequence's block
-table and folds one page at a time into an online softmax, 8 query rows at once (`cpu_page_fold`). Work items
+table and folds one page at a time into an online softmax, 8 or 16 query rows at once (`cpu_page_fold`). Work items
 are (sequence, KV head, block of query tokens), shared between the calling thread and XLA's thread pool
 (`pallas_kernels.cpu_ffi.parallel_for`).
 
@@ -52,18 +52,34 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
 )
 from pallas_kernels.ragged_paged_attention import cpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
+    CHAINS,
     EXP_POLY,
     LANES,
     LN2_HI,
     LN2_LO,
     LOG2E,
+    WIDE_LANES,
     fold_scores,
     fold_scores_by_row,
+    fold_scores_wide,
     page_scores,
     page_scores_by_row,
+    page_scores_wide,
 )
 
 NEG = np.float32(cpu.NEG)
+
+
+def _wide_rows() -> bool:
+    """Whether this host has 512-bit vectors (AVX-512F): the rows layout then folds 16 query rows an instruction
+    instead of 8 (a prefill chunk's or a speculative step's rows, not a decode's, which take the by-row layout)."""
+    import llvmlite.binding as llvm
+    return bool(llvm.get_host_cpu_features().get("avx512f", False))
+
+
+# Query rows a vector of the rows layout holds: numba reads it as a constant when it compiles (its cache is kept per
+# host CPU, so a cache built elsewhere is not reused here)
+ROW_LANES = WIDE_LANES if _wide_rows() else LANES
 
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)
@@ -121,12 +137,13 @@ def _widen_page(page, buf, d, visible):
 
 @numba.njit(**_KW)
 def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                 sinks, block_q, s, kh, b0, g0, g1, lo, hi, slot, partials):
+                 sinks, block_q, s, kh, b0, g0, g1, lo, hi, slot, partials, row_lanes=ROW_LANES):
     """Query tokens ``b0 .. b0 + block_q`` of sequence ``s``, q heads ``g0 .. g1`` of KV head ``kh``'s group, over
     the keys at positions ``lo .. hi`` (page-aligned), folded page by page into groups of 8 query rows
     (`cpu_page_fold`). slot < 0: the normalised result into ``out``; else the unnormalised accumulator, running max
     and sum into ``partials[slot]`` ([rows, D + 2]) for `merge_chunks`. q, out [T, H, D]; caches [KVH, P, page, D];
-    window <= 0 and soft_cap <= 0 mean "none"; sinks [H] (`NEG`: none), folded in here or by `merge_chunks`."""
+    window <= 0 and soft_cap <= 0 mean "none"; sinks [H] (`NEG`: none), folded in here or by `merge_chunks`.
+    row_lanes: rows a vector of the rows layout (`LANES` or `WIDE_LANES`; the same bits either way)."""
     h, d = q.shape[1], q.shape[2]
     kvh, _, page_size, _ = k_cache.shape
     group = g1 - g0  # the heads this item computes
@@ -138,13 +155,13 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
     start = max(0, first - window + 1) if window > 0 else 0
     nq = min(block_q, q_len - b0)
     rows = nq * group
-    lanes = LANES
+    stride = (d + CHAINS - 1) // CHAINS * CHAINS
+    # A decode's few rows (<= 8) score the keys and weight the values with lanes along d (`page_scores_by_row`,
+    # `fold_scores_by_row`): the queries and the accumulator are then row-major and the keys and values are read
+    # from the cache as they are. More rows take lanes as rows, ROW_LANES of them a vector.
+    by_row = rows <= LANES and d % LANES == 0
+    lanes = LANES if by_row else row_lanes
     groups = (rows + lanes - 1) // lanes
-    stride = (d + lanes - 1) // lanes * lanes
-    # A decode's few rows (<= 8, one group) score the keys and weight the values with lanes along d
-    # (`page_scores_by_row`, `fold_scores_by_row`): the queries and the accumulator are then row-major and the
-    # keys and values are read from the cache as they are
-    by_row = rows <= lanes and d % lanes == 0
     qt = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)  # pre-scaled queries
     acc = np.zeros((1, lanes, d) if by_row else (groups, stride, lanes), np.float32)
     stats = np.empty((groups, 2, lanes), np.float32)  # running max, sum
@@ -189,7 +206,10 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
                 page_scores_by_row(np.int64(qt[0].ctypes.data), np.int64(k_cache[kh, page].ctypes.data),
                                    k_cache[kh, page, 0, 0], d, visible, rows, sc_p)
             else:
-                page_scores(np.int64(qt[g].ctypes.data), kf_p, stride, visible, sc_p)
+                if lanes == WIDE_LANES:
+                    page_scores_wide(np.int64(qt[g].ctypes.data), kf_p, stride, visible, sc_p)
+                else:
+                    page_scores(np.int64(qt[g].ctypes.data), kf_p, stride, visible, sc_p)
             if soft_cap > 0:
                 for c in range(visible):
                     for lane in range(lanes):
@@ -199,6 +219,8 @@ def attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, ou
             if by_row:
                 fold_scores_by_row(np.int64(v_cache[kh, page].ctypes.data), v_cache[kh, page, 0, 0], d, visible,
                                    sc_p, *state, rows)
+            elif lanes == WIDE_LANES:
+                fold_scores_wide(vf_p, stride, visible, sc_p, *state)
             else:
                 fold_scores(vf_p, stride, visible, sc_p, *state)
     for r in range(rows):
@@ -357,9 +379,9 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 
 @numba.njit(**_KW)
 def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
-                  sinks, block_q, min_items=0):
+                  sinks, block_q, min_items=0, row_lanes=ROW_LANES):
     """Every work item on the calling thread (tests, and the reference for the threaded runs); ``min_items``
-    as in `plan`."""
+    as in `plan`, ``row_lanes`` as in `attend_block`."""
     kvh = k_cache.shape[0]
     group = q.shape[1] // kvh
     work, merges, slots = plan(kv_lens, query_start_loc, kvh, group, block_q, min_items, k_cache.shape[2], out)
@@ -367,7 +389,7 @@ def attend_serial(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, o
     for i in range(work.shape[0]):
         attend_block(q, k_cache, v_cache, kv_lens, block_tables, query_start_loc, out, sm_scale, window, soft_cap,
                      sinks, block_q, work[i, 0], work[i, 1], work[i, 2], work[i, 3], work[i, 4], work[i, 5],
-                     work[i, 6], work[i, 7], partials)
+                     work[i, 6], work[i, 7], partials, row_lanes)
     merge_chunks(partials, merges, q.shape[1], kvh, query_start_loc, block_q, sinks, out)
 
 

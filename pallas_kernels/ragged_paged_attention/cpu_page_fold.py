@@ -1,9 +1,10 @@
-"""The CPU attention kernel's inner step: one page of keys folded into the online softmax of up to 8 query rows at
-once, in LLVM IR on <8 x float> vectors whose lanes are query rows (`cpu_kernel.attend_block` calls it per group of
-8 rows).
+"""The CPU attention kernel's inner step: one page of keys folded into the online softmax of a group of query rows
+at once, in LLVM IR on vectors whose lanes are query rows: 8 a vector, or 16 (`page_scores_wide`,
+`fold_scores_wide`) where the host has 512-bit vectors (`cpu_kernel.attend_block` calls it per group of rows).
 
 Lanes as rows make most of the fold a vector operation: the running max, the exponentials and the row sums are
-lane-wise, and the weighted sum of V rows is 8-lane FMAs against broadcast values. A decode's few rows (at most 8,
+lane-wise, and the weighted sum of V rows is FMAs of a group's rows against broadcast values (16 rows: half the
+instructions of 8 for a prefill chunk's or a speculative step's rows). A decode's few rows (at most 8,
 d a multiple of 8) score the keys and weight the values with lanes along d instead (`page_scores_by_row`,
 `fold_scores_by_row`), reading the cache page as it is. Each row runs the same arithmetic whatever the other lanes
 hold, however many rows the block has and in either layout, so a position's output is the same bits in a decode
@@ -17,9 +18,9 @@ step, a prefill chunk or a speculative step, alone or batched. The arithmetic, p
 A row with no visible key in the page keeps m, l and acc (alpha is exp(0) = 1, every p is 0). ``exp`` is `ir_exp`,
 the same Cephes polynomial as `cpu_kernel._exp`, with its roundings written out.
 
-Layouts (float32, lane-minor): queries [stride, 8], scores [P, 8], running max and sum [8] each, accumulator
-[stride, 8]; keys and values as float32 [P, stride] (the kernel widens a page into buffers first; stride: d
-rounded up to a multiple of 8, the columns past d zero); positions [8] int32. By row: queries and accumulator
+Layouts (float32, lane-minor; L = 8 or 16 rows): queries [stride, L], scores [P, L], running max and sum [L] each,
+accumulator [stride, L]; keys and values as float32 [P, stride] (the kernel widens a page into buffers first; stride: d
+rounded up to a multiple of 8, the columns past d zero); positions [L] int32. By row: queries and accumulator
 [rows, d] row-major, keys and values the cache page's own. P (the keys folded: a page's, or those of a sequence's
 last page that exist) and d are any counts.
 """
@@ -34,7 +35,9 @@ from numba.extending import intrinsic
 from pallas_kernels.cpu_ffi import ir_for
 from pallas_kernels.ragged_paged_attention import cpu
 
-LANES = 8
+LANES = 8  # a vector of the by-row layout (x = j, j + 8, ...: one lane a chain), and of the rows layout's default
+CHAINS = 8  # a score's FMA chains (x = j, j + 8, ...), in either layout
+WIDE_LANES = 16  # the rows layout on AVX-512 hosts: one 512-bit vector of 16 query rows an FMA
 LOG2E, LN2_HI, LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.float32(-2.12194440e-4)
 # exp on [-ln2 / 2, ln2 / 2]: Cephes' expf polynomial (relative error ~1e-7)
 EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
@@ -59,17 +62,26 @@ def _store(b, value, addr, offset=0):
     b.store(value, _ptr(b, addr, value.type, offset), align=4)
 
 
-def _splat(b, scalar):
-    vec = b.insert_element(ir.Constant(_V, None), scalar, ir.Constant(_I32, 0))
-    return b.shuffle_vector(vec, ir.Constant(_V, None), ir.Constant(_VI, [0] * LANES))
+def _vf(lanes):
+    return ir.VectorType(_F32, lanes)
 
 
-def _const(value):
-    return ir.Constant(_V, [float(np.float32(value))] * LANES)
+def _vi(lanes):
+    return ir.VectorType(_I32, lanes)
+
+
+def _splat(b, scalar, lanes=LANES):
+    vec = b.insert_element(ir.Constant(_vf(lanes) if scalar.type == _F32 else _vi(lanes), None), scalar,
+                           ir.Constant(_I32, 0))
+    return b.shuffle_vector(vec, ir.Constant(vec.type, None), ir.Constant(_vi(lanes), [0] * lanes))
+
+
+def _const(value, lanes=LANES):
+    return ir.Constant(_vf(lanes), [float(np.float32(value))] * lanes)
 
 
 def _call(b, name, *args):
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(_V, [a.type for a in args]), name)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(args[0].type, [a.type for a in args]), name)
     return b.call(fn, list(args))
 
 
@@ -99,7 +111,7 @@ def _fcmp(b, op, x, y):
 
 
 def _fma(b, x, y, z):
-    return _call(b, "llvm.fma.v8f32", x, y, z)
+    return _call(b, f"llvm.fma.v{x.type.count}f32", x, y, z)
 
 
 def _mul(b, *args):
@@ -114,16 +126,17 @@ def _mul(b, *args):
 def ir_exp(b, x):
     """exp(x) lane-wise for x <= 0 (0 below -87): x = n ln2 + r, exp(x) = 2^n exp(r) with `cpu_kernel`'s Cephes
     polynomial on r."""
-    n = _call(b, "llvm.floor.v8f32", _fma(b, x, _const(LOG2E), _const(0.5)))
-    r = _fma(b, n, _const(-LN2_HI), x)
-    r = _fma(b, n, _const(-LN2_LO), r)
-    poly = _const(EXP_POLY[0])
+    lanes = x.type.count
+    n = _call(b, f"llvm.floor.v{lanes}f32", _fma(b, x, _const(LOG2E, lanes), _const(0.5, lanes)))
+    r = _fma(b, n, _const(-LN2_HI, lanes), x)
+    r = _fma(b, n, _const(-LN2_LO, lanes), r)
+    poly = _const(EXP_POLY[0], lanes)
     for c in EXP_POLY[1:]:
-        poly = _fma(b, poly, r, _const(c))
-    p = _fadd(b, _fma(b, poly, _fmul(b, r, r), r), _const(1.0))
-    scale = b.bitcast(b.shl(b.add(b.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
-                            ir.Constant(_VI, [23] * LANES)), _V)
-    return b.select(_fcmp(b, "<", x, _const(-87.0)), _const(0.0), _fmul(b, p, scale))
+        poly = _fma(b, poly, r, _const(c, lanes))
+    p = _fadd(b, _fma(b, poly, _fmul(b, r, r), r), _const(1.0, lanes))
+    scale = b.bitcast(b.shl(b.add(b.fptosi(n, _vi(lanes)), ir.Constant(_vi(lanes), [127] * lanes)),
+                            ir.Constant(_vi(lanes), [23] * lanes)), _vf(lanes))
+    return b.select(_fcmp(b, "<", x, _const(-87.0, lanes)), _const(0.0, lanes), _fmul(b, p, scale))
 
 
 def _tree(b, parts):
@@ -141,19 +154,20 @@ def _hsum(b, v):
     return b.extract_element(fold(u, [1] * LANES), ir.Constant(_I32, 0))
 
 
-def _scores(b, qt, keys, stride, page, scores):
-    """scores[c] = queries . keys[c] for the page's keys, lanes as rows: per key 8 independent FMA chains, chain j
-    over x = j, j + 8, ... (from 0, in order), summed by `_tree`: the arithmetic of `_scores_by_row`."""
+def _scores(b, qt, keys, stride, page, scores, lanes):
+    """scores[c] = queries . keys[c] for the page's keys, lanes as rows (`lanes` of them): per key 8 independent
+    FMA chains, chain j over x = j, j + 8, ... (from 0, in order), summed by `_tree`: the arithmetic of
+    `_scores_by_row`."""
     def key(c, _):
         def step(xb, accs):
             out = []
             for j, acc in enumerate(accs):
-                x = b.add(_mul(b, xb, LANES), ir.Constant(_I64, j))
-                k = _splat(b, _load(b, keys, _F32, _mul(b, b.add(_mul(b, c, stride), x), 4)))
-                out.append(_fma(b, _load(b, qt, _V, _mul(b, x, 4 * LANES)), k, acc))
+                x = b.add(_mul(b, xb, CHAINS), ir.Constant(_I64, j))
+                k = _splat(b, _load(b, keys, _F32, _mul(b, b.add(_mul(b, c, stride), x), 4)), lanes)
+                out.append(_fma(b, _load(b, qt, _vf(lanes), _mul(b, x, 4 * lanes)), k, acc))
             return out
-        accs = ir_for(b, b.sdiv(stride, ir.Constant(_I64, LANES)), [_const(0.0)] * LANES, step)
-        _store(b, _tree(b, accs), scores, _mul(b, c, 4 * LANES))
+        accs = ir_for(b, b.sdiv(stride, ir.Constant(_I64, CHAINS)), [_const(0.0, lanes)] * CHAINS, step)
+        _store(b, _tree(b, accs), scores, _mul(b, c, 4 * lanes))
         return []
     ir_for(b, page, [], key)
 
@@ -186,55 +200,58 @@ def _scores_by_row(b, q, keys, element, d, page, rows, scores):
     b.position_at_end(end)
 
 
-def _softmax(b, scores, stats, qpos, lo, base, page):
-    """Masks, folds the page's max and sum into stats ([m, l] x 8 lanes) and turns the scores into p; the factor
-    alpha the accumulator takes."""
-    qv, lov = _load(b, qpos, _VI), _load(b, lo, _VI)
-    neg = _const(_NEG)
+def _softmax(b, scores, stats, qpos, lo, base, page, lanes=LANES):
+    """Masks, folds the page's max and sum into stats ([m, l] x `lanes` rows) and turns the scores into p; the
+    factor alpha the accumulator takes."""
+    vf, vi = _vf(lanes), _vi(lanes)
+    qv, lov = _load(b, qpos, vi), _load(b, lo, vi)
+    neg = _const(_NEG, lanes)
 
     def masked(c, row_max):
-        s = _load(b, scores, _V, _mul(b, c, 4 * LANES))
+        s = _load(b, scores, vf, _mul(b, c, 4 * lanes))
         pos = b.trunc(b.add(base, c), _I32)
-        pv = b.shuffle_vector(b.insert_element(ir.Constant(_VI, None), pos, ir.Constant(_I32, 0)),
-                              ir.Constant(_VI, None), ir.Constant(_VI, [0] * LANES))
+        pv = b.shuffle_vector(b.insert_element(ir.Constant(vi, None), pos, ir.Constant(_I32, 0)),
+                              ir.Constant(vi, None), ir.Constant(vi, [0] * lanes))
         out = b.or_(b.icmp_signed(">", pv, qv), b.icmp_signed("<=", pv, lov))
         s = b.select(out, neg, s)
-        _store(b, s, scores, _mul(b, c, 4 * LANES))
+        _store(b, s, scores, _mul(b, c, 4 * lanes))
         return [b.select(_fcmp(b, ">", s, row_max[0]), s, row_max[0])]
 
     (row_max,) = ir_for(b, page, [neg], masked)
-    m = _load(b, stats, _V)
+    m = _load(b, stats, vf)
     m_new = b.select(_fcmp(b, ">", row_max, m), row_max, m)
     alpha = ir_exp(b, _fsub(b, m, m_new))
 
     def weights(c, total):
-        s = _load(b, scores, _V, _mul(b, c, 4 * LANES))
-        p = b.select(_fcmp(b, "==", s, neg), _const(0.0), ir_exp(b, _fsub(b, s, m_new)))
-        _store(b, p, scores, _mul(b, c, 4 * LANES))
+        s = _load(b, scores, vf, _mul(b, c, 4 * lanes))
+        p = b.select(_fcmp(b, "==", s, neg), _const(0.0, lanes), ir_exp(b, _fsub(b, s, m_new)))
+        _store(b, p, scores, _mul(b, c, 4 * lanes))
         return [_fadd(b, total[0], p)]
 
-    (total,) = ir_for(b, page, [_fmul(b, _load(b, stats, _V, 4 * LANES), alpha)], weights)
+    (total,) = ir_for(b, page, [_fmul(b, _load(b, stats, vf, 4 * lanes), alpha)], weights)
     _store(b, m_new, stats)
-    _store(b, total, stats, 4 * LANES)
+    _store(b, total, stats, 4 * lanes)
     return alpha
 
 
-def _weighted_values(b, scores, values, stride, page, alpha, acc):
+def _weighted_values(b, scores, values, stride, page, alpha, acc, lanes):
     """acc[x] = acc[x] * alpha + sum_c p_c values[c, x], 8 positions x at a time, for x < stride (a multiple of 8:
-    the buffer's columns past d are zeros)."""
+    the buffer's columns past d are zeros); `lanes` rows."""
+    vf = _vf(lanes)
+
     def block(xb, _):
-        at = [_mul(b, b.add(_mul(b, xb, LANES), ir.Constant(_I64, j)), 4 * LANES) for j in range(LANES)]
-        start = [_fmul(b, _load(b, acc, _V, o), alpha) for o in at]
+        at = [_mul(b, b.add(_mul(b, xb, CHAINS), ir.Constant(_I64, j)), 4 * lanes) for j in range(CHAINS)]
+        start = [_fmul(b, _load(b, acc, vf, o), alpha) for o in at]
 
         def step(c, accs):
-            p = _load(b, scores, _V, _mul(b, c, 4 * LANES))
-            row = b.add(_mul(b, c, stride), _mul(b, xb, LANES))
-            return [_fma(b, p, _splat(b, _load(b, values, _F32, _mul(b, b.add(row, ir.Constant(_I64, j)), 4))), a)
-                    for j, a in enumerate(accs)]
+            p = _load(b, scores, vf, _mul(b, c, 4 * lanes))
+            row = b.add(_mul(b, c, stride), _mul(b, xb, CHAINS))
+            return [_fma(b, p, _splat(b, _load(b, values, _F32, _mul(b, b.add(row, ir.Constant(_I64, j)), 4)), lanes),
+                         a) for j, a in enumerate(accs)]
         for o, a in zip(at, ir_for(b, page, start, step), strict=True):
             _store(b, a, acc, o)
         return []
-    ir_for(b, b.sdiv(stride, ir.Constant(_I64, LANES)), [], block)
+    ir_for(b, b.sdiv(stride, ir.Constant(_I64, CHAINS)), [], block)
 
 
 def _load_values(b, values, element, offset):
@@ -277,15 +294,36 @@ def _weighted_values_by_row(b, scores, values, element, d, page, alpha, acc, row
     ir_for(b, rows, [], row)
 
 
-@intrinsic
-def page_scores(typingctx, qt, keys, stride, page, scores):
-    """scores [page, 8] = 8 rows' queries qt [stride, 8] against a page's keys [page, stride] (float32 addresses;
-    columns past d zero). A model that transforms its scores before the softmax (soft-capping) does so between
-    this and `fold_scores`."""
-    def codegen(context, b, sig, args):
-        _scores(b, *args)
-        return context.get_dummy_value()
-    return types.void(*[types.int64] * 5), codegen
+def _rows_intrinsics(lanes):
+    """(page_scores, fold_scores) on vectors of `lanes` query rows."""
+    @intrinsic
+    def page_scores(typingctx, qt, keys, stride, page, scores):
+        """scores [page, lanes] = `lanes` rows' queries qt [stride, lanes] against a page's keys [page, stride]
+        (float32 addresses; columns past d zero). A model that transforms its scores before the softmax
+        (soft-capping) does so between this and `fold_scores`."""
+        def codegen(context, b, sig, args):
+            _scores(b, *args, lanes)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 5), codegen
+
+    @intrinsic
+    def fold_scores(typingctx, values, stride, page, scores, stats, acc, qpos, lo, base):
+        """Folds a page's first ``page`` keys, their scores in ``scores``, into `lanes` rows' online softmax.
+        Addresses: values [page, stride] float32 (columns past d zero), scores [page, lanes] (turned into p), stats
+        [2, lanes] (running max, sum), acc [stride, lanes]; qpos/lo [lanes] int32 (a key at position pos is
+        visible to a row when lo < pos <= qpos); base: the page's first position."""
+        def codegen(context, b, sig, args):
+            values, stride, page, scores, stats, acc, qpos, lo, base = args
+            alpha = _softmax(b, scores, stats, qpos, lo, base, page, lanes)
+            _weighted_values(b, scores, values, stride, page, alpha, acc, lanes)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 9), codegen
+
+    return page_scores, fold_scores
+
+
+page_scores, fold_scores = _rows_intrinsics(LANES)
+page_scores_wide, fold_scores_wide = _rows_intrinsics(WIDE_LANES)
 
 
 @intrinsic
@@ -298,20 +336,6 @@ def page_scores_by_row(typingctx, q, keys, element, d, page, rows, scores):
         _scores_by_row(b, q, keys, element, d, page, rows, scores)
         return context.get_dummy_value()
     return types.void(types.int64, types.int64, element, *[types.int64] * 4), codegen
-
-
-@intrinsic
-def fold_scores(typingctx, values, stride, page, scores, stats, acc, qpos, lo, base):
-    """Folds a page's first ``page`` keys, their scores in ``scores``, into 8 rows' online softmax. Addresses:
-    values [page, stride] float32 (columns past d zero), scores [ceil(page / 8) * 8, 8] (turned into p), stats
-    [2, 8] (running max, sum), acc [stride, 8]; qpos/lo [8] int32 (a key at position pos is visible to a row when
-    lo < pos <= qpos); base: the page's first position."""
-    def codegen(context, b, sig, args):
-        values, stride, page, scores, stats, acc, qpos, lo, base = args
-        alpha = _softmax(b, scores, stats, qpos, lo, base, page)
-        _weighted_values(b, scores, values, stride, page, alpha, acc)
-        return context.get_dummy_value()
-    return types.void(*[types.int64] * 9), codegen
 
 
 @intrinsic

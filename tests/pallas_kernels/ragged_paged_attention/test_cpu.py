@@ -13,7 +13,7 @@ import pytest
 from jaxllm.kernels import attention_kernel, choose_kernels
 from pallas_kernels.cpu_ffi import busy_slots
 from pallas_kernels.ragged_paged_attention import cpu
-from pallas_kernels.ragged_paged_attention.cpu_kernel import CACHE_TYPES, attend_serial
+from pallas_kernels.ragged_paged_attention.cpu_kernel import CACHE_TYPES, LANES, ROW_LANES, WIDE_LANES, attend_serial
 from tests.matrix import sampled
 from tests.pallas_kernels.ragged_paged_attention.cases import KINDS, make_case
 from tests.pallas_kernels.ragged_paged_attention.test_reference import SINKS, naive_attention
@@ -30,7 +30,7 @@ def _narrowed(case, dtype):
     return dataclasses.replace(case, k_cache=case.k_cache.astype(dtype), v_cache=case.v_cache.astype(dtype))
 
 
-def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None, sinks=None):
+def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None, sinks=None, row_lanes=ROW_LANES):
     m = case.meta
     q = np.asarray(case.q)
     out = np.full_like(q, np.nan)  # every element must be written, padding rows included
@@ -41,7 +41,7 @@ def _direct(case, block_q, min_items, sliding_window=None, soft_cap=None, sinks=
            np.asarray(m.block_tables), np.asarray(m.query_start_loc), out, np.float32(q.shape[-1] ** -0.5),
            sliding_window or 0, np.float32(soft_cap or 0.0),
            np.full(q.shape[1], cpu.NEG, np.float32) if sinks is None else sinks[:q.shape[1]], block_q,
-           min_items)
+           min_items, row_lanes)
     return out
 
 
@@ -95,9 +95,9 @@ def test_a_long_sequence_gets_the_same_bits_alone_or_in_a_batch():
 @pytest.mark.parametrize("options", [{}, {"sliding_window": 9}, {"soft_cap": 5.0}], ids=["plain", "window", "softcap"])
 @pytest.mark.parametrize("head_dim", [32, 24])
 def test_a_position_gets_the_same_bits_in_a_prompt_chunk_and_in_a_decode(dtype, options, head_dim):
-    """A prompt chunk's rows (lanes of 8-row groups), a decode's few rows (lanes along d) and a speculative step's
-    k + 1 rows fold a page alike: each position's output is the same bits however it is computed. Slots past the
-    sequence's length hold NaN, which no path may read."""
+    """A prompt chunk's rows (lanes of 8- or 16-row groups), a decode's few rows (lanes along d) and a speculative
+    step's k + 1 rows fold a page alike: each position's output is the same bits however it is computed. Slots past
+    the sequence's length hold NaN, which no path may read."""
     q_len, ctx, page = 20, 37, 8
     case = make_case("prefill", num_heads=6, num_kv_heads=2, head_dim=head_dim, page_size=page, dtype=np.float32,
                      seqs=[(q_len, ctx)], pad_tokens=0, pad_seqs=0)
@@ -109,6 +109,9 @@ def test_a_position_gets_the_same_bits_in_a_prompt_chunk_and_in_a_decode(dtype, 
         dtype, jnp.float32))
     chunk = {block_q: _bits(_direct(case, block_q, 0, **options)) for block_q in (16, 4, 1)}
     assert np.array_equal(chunk[16], chunk[4]) and np.array_equal(chunk[16], chunk[1])
+    for lanes in (LANES, WIDE_LANES):  # groups of 8 rows a vector and of 16 (AVX-512 hosts' default), whole or not
+        for block_q in (16, 4):
+            assert np.array_equal(_bits(_direct(case, block_q, 0, row_lanes=lanes, **options)), chunk[16])
     assert not np.isnan(_direct(case, 16, 0, **options)).any()
     for t in range(q_len):
         for k_plus_1 in (1, 3):  # a decode, and the last token of a speculative step's k + 1
@@ -217,3 +220,9 @@ def test_float_caches_run_the_custom_call_and_float8_is_refused():
     with pytest.raises(ValueError, match="reads float32, float16 or bfloat16 caches, not float8_e4m3fn"):
         _lowered(jnp.float8_e4m3fn)
     assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn).attention == "reference"
+
+
+def test_the_rows_layout_is_16_rows_a_vector_where_the_host_has_avx512():
+    import llvmlite.binding as llvm
+
+    assert ROW_LANES == (WIDE_LANES if llvm.get_host_cpu_features().get("avx512f", False) else LANES)
