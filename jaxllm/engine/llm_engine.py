@@ -91,9 +91,10 @@ class LLMEngine:
     def _warmup(self, parts: EngineParts) -> None:
         before = compile_monitor.snapshot()
         start = time.perf_counter()
-        self.startup.buckets = self.runner.warmup()
+        self.startup.buckets = self.runner.warmup(timed_runs=2 if self.drafter is not None else 0)
         if self.drafter is not None:
             self.drafter.proposer.warmup()
+            self.drafter.calibrate({b.bucket: b.run_s for b in self.startup.buckets}, self.runner.bucket_for)
         if parts.encoder is not None:
             parts.encoder.runner.warmup()
         self.startup.warmup_s = time.perf_counter() - start

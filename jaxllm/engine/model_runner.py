@@ -231,9 +231,10 @@ class ModelRunner:
     def prebuild(self, buckets: list[tuple[int, int]]) -> None:
         self.executables.prebuild(buckets)
 
-    def warmup(self, max_workers: int | None = None) -> list[BucketBuild]:
-        """Builds every bucket (on up to `max_workers` threads), then runs each once on this thread. Returns how
-        each bucket was built, in bucket order."""
+    def warmup(self, max_workers: int | None = None, timed_runs: int = 0) -> list[BucketBuild]:
+        """Builds every bucket (on up to `max_workers` threads), then runs each once on this thread, and
+        `timed_runs` more times to time a step of it (`BucketBuild.run_s`: speculation's draft budget weighs a
+        step's rows by them). Returns how each bucket was built, in bucket order."""
         workers = max_workers or min(len(self.buckets), os.cpu_count() or 1, 4)
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-build") as pool:
             futures = [pool.submit(self.build, b) for b in self.buckets]
@@ -245,6 +246,11 @@ class ModelRunner:
             start = time.perf_counter()
             self.execute(ScheduledStep([], []), bucket=bucket)
             self.builds[bucket].first_run_s = time.perf_counter() - start
+            for _ in range(timed_runs):
+                start = time.perf_counter()
+                self.execute(ScheduledStep([], []), bucket=bucket)
+                took = time.perf_counter() - start
+                self.builds[bucket].run_s = min(self.builds[bucket].run_s or took, took)
         return [self.builds[b] for b in self.buckets]
 
     def lead(self, leader, watchdog) -> None:

@@ -27,6 +27,7 @@ class BucketBuild:
     compile_s: float = 0.0  # XLA compile, or a load from JAX's persistent cache
     load_s: float = 0.0  # deserializing from the executable cache
     first_run_s: float = 0.0  # the warm-up run
+    run_s: float = 0.0  # a run after the first (the fastest of those timed at warm-up; 0: none timed)
 
     @property
     def build_s(self) -> float:

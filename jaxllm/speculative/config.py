@@ -18,6 +18,7 @@ from jaxllm.config import ConfigError
 from jaxllm.loading.quantize import QUANTIZATIONS
 
 MAX_SPECULATIVE_TOKENS = 16  # drafts a step verifies per sequence at most (each is a row of the LM head)
+DRAFT_BUDGETS = ("step_cost", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +31,10 @@ class SpeculativeConfig:
     # No drafts in a step whose running batch holds this many sequences or more (vLLM's disable_by_batch_size):
     # a batch that large is compute-bound, and each draft costs a full row of the step. None: never.
     disable_by_batch_size: int | None = None
+    # Which proposed drafts a step verifies (jaxllm's own; vLLM verifies them all): "step_cost" keeps those that
+    # make the most expected tokens a second, by the steps' times measured at warm-up (`draft_budget`); "all"
+    # keeps every one.
+    draft_budget: str = "step_cost"
     # draft_model: its checkpoint (a path or hub id, as `LLM(model=...)`; None: the target's), the hub revision,
     # and how its weights load (`EngineConfig.quantization`: "auto" keeps a GGUF's quantized weights); eagle3:
     # the head's folder or hub id (required) and revision
@@ -53,6 +58,8 @@ class SpeculativeConfig:
             (self.disable_by_batch_size is None or
              (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
              f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"),
+            (self.draft_budget in DRAFT_BUDGETS,
+             f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}"),
             (self.quantization in QUANTIZATIONS,
              f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}"),
             (self.method in MODEL_METHODS or (self.model is None and self.revision is None),

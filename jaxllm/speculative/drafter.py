@@ -1,7 +1,9 @@
 """The engine's side of speculation: before the scheduler runs, each decoding sequence gets its drafts from the
 method (`Drafter.propose`); once the step is scheduled, the method makes them final (`Drafter.fill`: a draft
 model computes them there); after the step, the counters and the method learn what the target accepted
-(`Drafter.observe`).
+(`Drafter.observe`). Where the engine timed its steps at warm-up, a step verifies only the drafts that make the
+most expected tokens a second (`draft_budget`): on a host whose steps grow with their rows, a batch's unlikely
+drafts would cost more than they save.
 
 A sequence gets no drafts where the target's samples at later positions would not be those of plain steps: its
 penalties read a history the drafts are not in, a grammar's mask follows each token, and min_tokens' bans end
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jaxllm.speculative.draft_budget import DraftBudget, KeepRate
 from jaxllm.speculative.methods import ProposerContext, make_proposer
 from jaxllm.speculative.verify import SpecDecodeStats
 
@@ -30,16 +33,31 @@ class Drafter:
         # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
         # kept or not, and a sequence whose drafts fail (its output stopped quoting) should try few of them.
         self.caps: dict[int, int] = {}
+        # What was kept of each sequence's drafts and of all of them (`draft_budget`'s rates); the budget itself
+        # once the steps are timed (`calibrate`)
+        self.keep_rates: dict[int, KeepRate] = {}
+        self.pooled = KeepRate()
+        self.budget: DraftBudget | None = None
+
+    def calibrate(self, bucket_seconds: dict[tuple[int, int], float], bucket_for) -> None:
+        """The target's step times by bucket (timed at warm-up), for `draft_budget="step_cost"`."""
+        if self.config.draft_budget == "step_cost" and bucket_seconds:
+            self.budget = DraftBudget(bucket_seconds, bucket_for)
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
+        self.keep_rates = {seq.seq_id: r for seq in running if (r := self.keep_rates.get(seq.seq_id)) is not None}
         self.proposer.begin(running)
         for seq in running:
             room = 0 if off or not self._may_draft(seq) else self._room(seq)
             seq.drafts = self.proposer.propose(seq, room) if room > 0 else []
+        if self.budget is not None and any(seq.drafts for seq in running):
+            decoding = [seq for seq in running if seq.num_computed_tokens + 1 == seq.num_tokens and not seq.finished]
+            for seq, n in zip(decoding, self._trim(decoding, [len(seq.drafts) for seq in decoding]), strict=True):
+                seq.drafts = seq.drafts[:n]
 
     def fill(self, step: ScheduledStep) -> None:
         """The scheduled step's drafts made final (a draft model computes them now that they have pages)."""
@@ -54,7 +72,15 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(seqs) >= limit:
             return False
-        return any(self._may_draft(seq) and self._room(seq) > 1 and self.proposer.worth_waiting(seq) for seq in seqs)
+        rooms = [self._room(seq) if self._may_draft(seq) and self.proposer.worth_waiting(seq) else 0 for seq in seqs]
+        if not any(room > 1 for room in rooms):
+            return False
+        # nor when the budget would drop the drafts the quoting sequences could get
+        return self.budget is None or any(self._trim(seqs, rooms))
+
+    def _trim(self, seqs: list[Sequence], lengths: list[int]) -> list[int]:
+        prior = self.pooled.estimate(0.5)
+        return self.budget.trim(lengths, [self.keep_rates.get(seq.seq_id, KeepRate()).estimate(prior) for seq in seqs])
 
     def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
         self.proposer.observe(step, rejected)
@@ -63,6 +89,8 @@ class Drafter:
             if drafted:
                 kept = len(drafted) - lost
                 self.stats.observe(len(drafted), kept)
+                self.keep_rates.setdefault(seq.seq_id, KeepRate()).observe(len(drafted), kept)
+                self.pooled.observe(len(drafted), kept)
                 self.caps[seq.seq_id] = k if lost == 0 else max(1, 2 * kept)
 
     @staticmethod
