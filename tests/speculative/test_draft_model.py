@@ -109,6 +109,15 @@ def test_drafts_stop_at_max_tokens_and_the_model_length(engines):
                                           for o in plain.generate(prompts, params, use_tqdm=False)]
 
 
+def test_the_draft_budget_weighs_rows_by_the_steps_timed_at_warmup(engines):
+    spec, plain = engines
+    budget = spec.engine.drafter.budget
+    buckets = spec.engine.runner.buckets
+    assert budget is not None and set(budget.bucket_seconds) == set(buckets)
+    assert all(seconds > 0 for seconds in budget.bucket_seconds.values())
+    assert all(build.run_s == 0 for build in plain.engine.startup.buckets)  # no speculation: nothing timed twice
+
+
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(folders, tmp_path, compile_cache_dir):
     target, draft = folders
     other_tokens = tmp_path / "draft"
