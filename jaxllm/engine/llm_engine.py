@@ -230,6 +230,7 @@ class LLMEngine:
         the device computes it while this call turns the tokens into outputs, and the next call reads it back. A
         sequence that finished (or was aborted) meanwhile has that extra token dropped; its pages are free already,
         and the token's KV slot lies past anything the prefix cache registered."""
+        start = None  # a step dispatched with none in flight: its time is the device's (the draft budget's)
         if self._ahead is not None:
             pending, self._ahead = self._ahead, None
         else:
@@ -240,10 +241,14 @@ class LLMEngine:
                 return []
             if self.drafter is not None:
                 self.drafter.fill(step)
+                start = time.perf_counter()
             pending = self.runner.dispatch(step)
         if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
             self._ahead = self.runner.dispatch(nxt, after=pending)
-        return self._update(pending.step, self.runner.collect(pending))
+        result = self.runner.collect(pending)
+        if start is not None:
+            self.drafter.step_took(pending.bucket, time.perf_counter() - start)
+        return self._update(pending.step, result)
 
     def _may_look_ahead(self, step) -> bool:
         """Whether the decode step after `step` can be built without `step`'s tokens: every sequence decodes one

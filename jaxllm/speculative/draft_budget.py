@@ -6,7 +6,9 @@ every draft is nearly free; where it grows about linearly past a few rows (a CPU
 Each step the budget keeps the drafts that make the most expected tokens per second of the step: the decoding
 sequences' own tokens plus, for each kept draft, the chance the target keeps it (a sequence's i-th draft is kept
 when its first i are: ``rate ** i``, rate its estimated chance of keeping one draft given the one before), over
-the step's time in the bucket it would run in (each bucket timed at warm-up: `ModelRunner.warmup`). A sequence
+the step's time in the bucket it would run in. Each bucket is timed at warm-up (`ModelRunner.warmup`: an empty
+step, which neither attends nor samples) and then by the steps the engine runs with none other in flight (a
+moving average: a real step's attention and sampled rows, at the contexts being served). A sequence
 keeps a prefix of its drafts; the others are dropped before the scheduler counts them. Which drafts run never
 changes a token (the target samples each position with the key a plain step would use: `verify`), only speed."""
 
@@ -16,6 +18,7 @@ import dataclasses
 from collections.abc import Callable
 
 PRIOR_WEIGHT = 2.0  # drafts' worth of the pooled rate in a sequence's own estimate (Laplace-style smoothing)
+STEP_WEIGHT = 0.25  # a timed step's weight in its bucket's moving average
 
 
 @dataclasses.dataclass
@@ -58,6 +61,11 @@ class DraftBudget:
         """bucket_seconds: a step's time in each (tokens, sequences) bucket; bucket_for: the bucket a step of so
         many tokens and sequences runs in (ValueError: none)."""
         self.bucket_seconds, self.bucket_for = bucket_seconds, bucket_for
+
+    def observe(self, bucket: tuple[int, int], seconds: float) -> None:
+        """A step of `bucket` took `seconds`."""
+        old = self.bucket_seconds.get(bucket)
+        self.bucket_seconds[bucket] = seconds if old is None else old + STEP_WEIGHT * (seconds - old)
 
     def step_seconds(self, tokens: int, seqs: int) -> float:
         try:

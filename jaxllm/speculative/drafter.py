@@ -44,6 +44,11 @@ class Drafter:
         if self.config.draft_budget == "step_cost" and bucket_seconds:
             self.budget = DraftBudget(bucket_seconds, bucket_for)
 
+    def step_took(self, bucket: tuple[int, int], seconds: float) -> None:
+        """A step of `bucket` ran in `seconds` (none other in flight): the budget's estimate follows."""
+        if self.budget is not None:
+            self.budget.observe(bucket, seconds)
+
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""
         limit = self.config.disable_by_batch_size

@@ -108,3 +108,12 @@ def test_a_step_does_not_wait_for_tokens_whose_drafts_the_budget_would_drop():
     assert not d.worth_waiting(seqs)  # no history: the pooled prior is far below what a row costs here
     d.calibrate({b: 1.0 for b in buckets}, lambda t, s: next(b for b in buckets if b[0] >= t))
     assert d.worth_waiting(seqs)  # rows that cost nothing: drafts pay
+
+
+def test_a_buckets_estimate_follows_the_steps_timed():
+    budget = DraftBudget({(8, 8): 1.0}, lambda t, s: (8, 8))
+    for _ in range(40):
+        budget.observe((8, 8), 3.0)
+    assert budget.step_seconds(8, 1) == pytest.approx(3.0, rel=1e-3)
+    budget.observe((8, 8), 7.0)
+    assert 3.0 < budget.step_seconds(8, 1) < 7.0  # one step moves it, not all the way

@@ -116,6 +116,10 @@ def test_the_draft_budget_weighs_rows_by_the_steps_timed_at_warmup(engines):
     assert budget is not None and set(budget.bucket_seconds) == set(buckets)
     assert all(seconds > 0 for seconds in budget.bucket_seconds.values())
     assert all(build.run_s == 0 for build in plain.engine.startup.buckets)  # no speculation: nothing timed twice
+    before = dict(budget.bucket_seconds)
+    spec.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    changed = {b for b, seconds in budget.bucket_seconds.items() if seconds != before[b]}
+    assert changed and changed <= set(buckets)  # the steps run since moved their buckets' estimates
 
 
 def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(folders, tmp_path, compile_cache_dir):
