@@ -11,7 +11,10 @@ page size 16, one layer.
 
 With --decode-one: the CPU kernel alone on one decoding sequence (a single stream's step) at each context of
 --contexts, float16 cache, called once a layer in a scan of 30 layers as a step calls it, each layer on its own
-pages; microseconds a call.
+pages; microseconds a call. --query-tokens N gives that sequence N query tokens instead of one (a speculative
+step's k + 1, or a prefill chunk: N = the context for a fresh prompt).
+
+    python benchmarks/attention.py --decode-one --query-tokens 8 --contexts 200
 """
 
 from __future__ import annotations
@@ -74,18 +77,20 @@ def bench(name: str, impl: str, seqs: list[tuple[int, int]], rounds: int, kv_dty
     return kv_bytes / sec / 1e9
 
 
-def decode_one(contexts: list[int], rounds: int, layers: int = 30) -> dict[int, float]:
-    """Microseconds a layer's call of the CPU kernel takes for one decoding sequence at each context."""
+def decode_one(contexts: list[int], rounds: int, layers: int = 30, query_tokens: int = 1) -> dict[int, float]:
+    """Microseconds a layer's call of the CPU kernel takes for one sequence with `query_tokens` query tokens (1: a
+    decode) at each context."""
     step = attention_kernel(choose_kernels("cpu", kv_dtype=jnp.float16))
     result = {}
     for ctx in contexts:
-        q, _, k, v, meta = random_paged_batch([(1, ctx)], (HEADS, KV_HEADS, HEAD_DIM), PAGE, jnp.float32)
+        q, _, k, v, meta = random_paged_batch([(query_tokens, ctx)], (HEADS, KV_HEADS, HEAD_DIM), PAGE,
+                                              jnp.float32)
         # every layer its own pages, as in the engine's cache (layer l's page p is l * pages + p): a step reads
         # layers x the sequence's K/V, not one layer's from cache 30 times
         pages = k.shape[1]
         k, v = (jnp.tile(c.astype(jnp.float16), (1, layers, 1, 1)) for c in (k, v))
-        new = jnp.zeros((1, KV_HEADS, HEAD_DIM), jnp.float16)
-        no_slots = jnp.full((1,), -1, jnp.int32)
+        new = jnp.zeros((query_tokens, KV_HEADS, HEAD_DIM), jnp.float16)
+        no_slots = jnp.full((query_tokens,), -1, jnp.int32)
 
         def walk(q, k, v, m, new=new, no_slots=no_slots, pages=pages):
             def body(carry, index):
@@ -104,7 +109,8 @@ def decode_one(contexts: list[int], rounds: int, layers: int = 30) -> dict[int, 
             q.block_until_ready()
             times.append((time.perf_counter() - start) / layers)
         result[ctx] = statistics.median(times) * 1e6
-        print(f"one decoding sequence, {ctx:5d} tokens of context: {result[ctx]:7.1f} us a layer")
+        print(f"one sequence, {query_tokens:3d} query tokens, {ctx:5d} tokens of context: {result[ctx]:7.1f} us "
+              "a layer")
     return result
 
 
@@ -114,9 +120,10 @@ def main() -> None:
     p.add_argument("--kv-cache-dtype", default="float32", help="comma-separated cache dtypes")
     p.add_argument("--decode-one", action="store_true", help="one decoding sequence at each of --contexts")
     p.add_argument("--contexts", default="150,512,1024,4096")
+    p.add_argument("--query-tokens", type=int, default=1, help="with --decode-one: the sequence's query tokens")
     args = p.parse_args()
     if args.decode_one:
-        decode_one([int(c) for c in args.contexts.split(",")], args.rounds)
+        decode_one([int(c) for c in args.contexts.split(",")], args.rounds, query_tokens=args.query_tokens)
         return
     bw = memory_bandwidth_gbs(args.rounds)
     print(f"memory bandwidth (512 MiB copy, read+write): {bw:.1f} GB/s; backend {jax.default_backend()}, "
