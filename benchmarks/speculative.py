@@ -96,7 +96,7 @@ def main() -> None:
     print(f"{'':10s} {'grounded tok/s':>15s} {'open tok/s':>11s} {f'{CONCURRENT} grounded tok/s':>19s}")
     for name, m in summary.items():
         print(f"{name:10s} {m['grounded_tok_s']:15.1f} {m['open_tok_s']:11.1f} {m['concurrent_tok_s']:19.1f}")
-    for name, r in {"ratio": ratios} | {f"{name} ratio": r for name, r in more.items()}.items():
+    for name, r in ({"ratio": ratios} | {f"{name} ratio": r for name, r in more.items()}).items():
         print(f"{name:10s} {r['grounded_tok_s']:14.2f}x {r['open_tok_s']:10.2f}x {r['concurrent_tok_s']:18.2f}x")
     machine.save(args.json, host, rounds=args.rounds, speculative_config=engines["ngram"], summary=summary,
                  ratios=ratios, other_ratios=more, runs=runs)

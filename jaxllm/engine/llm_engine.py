@@ -94,7 +94,8 @@ class LLMEngine:
         self.startup.buckets = self.runner.warmup(timed_runs=2 if self.drafter is not None else 0)
         if self.drafter is not None:
             self.drafter.proposer.warmup()
-            self.drafter.calibrate({b.bucket: b.run_s for b in self.startup.buckets}, self.runner.bucket_for)
+            self.drafter.calibrate({b.bucket: b.run_s for b in self.startup.buckets}, self.runner.bucket_for,
+                                   overlap=self.config.async_scheduling)
         if parts.encoder is not None:
             parts.encoder.runner.warmup()
         self.startup.warmup_s = time.perf_counter() - start
@@ -230,10 +231,11 @@ class LLMEngine:
         the device computes it while this call turns the tokens into outputs, and the next call reads it back. A
         sequence that finished (or was aborted) meanwhile has that extra token dropped; its pages are free already,
         and the token's KV slot lies past anything the prefix cache registered."""
-        start = None  # a step dispatched with none in flight: its time is the device's (the draft budget's)
+        begun = dispatched = None  # a step dispatched with none in flight: the draft budget times it
         if self._ahead is not None:
             pending, self._ahead = self._ahead, None
         else:
+            begun = time.perf_counter()
             if self.drafter is not None:
                 self.drafter.propose(self.scheduler.running)
             step = self.scheduler.schedule()
@@ -241,14 +243,17 @@ class LLMEngine:
                 return []
             if self.drafter is not None:
                 self.drafter.fill(step)
-                start = time.perf_counter()
+                dispatched = time.perf_counter()
             pending = self.runner.dispatch(step)
         if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
             self._ahead = self.runner.dispatch(nxt, after=pending)
         result = self.runner.collect(pending)
-        if start is not None:
-            self.drafter.step_took(pending.bucket, time.perf_counter() - start)
-        return self._update(pending.step, result)
+        collected = time.perf_counter()
+        outputs = self._update(pending.step, result)
+        if dispatched is not None:
+            host = dispatched - begun + time.perf_counter() - collected
+            self.drafter.step_took(pending.bucket, collected - dispatched, host, any(pending.step.drafts))
+        return outputs
 
     def _may_look_ahead(self, step) -> bool:
         """Whether the decode step after `step` can be built without `step`'s tokens: every sequence decodes one

@@ -8,7 +8,9 @@ sequences' own tokens plus, for each kept draft, the chance the target keeps it 
 when its first i are: ``rate ** i``, rate its estimated chance of keeping one draft given the one before), over
 the step's time in the bucket it would run in. Each bucket is timed at warm-up (`ModelRunner.warmup`: an empty
 step, which neither attends nor samples) and then by the steps the engine runs with none other in flight (a
-moving average: a real step's attention and sampled rows, at the contexts being served). A sequence
+moving average: a real step's attention and sampled rows, at the contexts being served). A drafted step also
+waits for the host's work around it (proposing from the last tokens, scheduling, reading back), which a step
+without drafts hides by running ahead (async scheduling): that time, measured too, counts against drafts. A sequence
 keeps a prefix of its drafts; the others are dropped before the scheduler counts them. Which drafts run never
 changes a token (the target samples each position with the key a plain step would use: `verify`), only speed."""
 
@@ -19,6 +21,8 @@ from collections.abc import Callable
 
 PRIOR_WEIGHT = 2.0  # drafts' worth of the pooled rate in a sequence's own estimate (Laplace-style smoothing)
 STEP_WEIGHT = 0.25  # a timed step's weight in its bucket's moving average
+PROBE_EVERY = 32  # after so many steps whose drafts were all dropped, one runs its likeliest draft: the estimates
+# learn only from drafted steps, and must not freeze on an early bad run
 
 
 @dataclasses.dataclass
@@ -57,15 +61,24 @@ def choose(lengths: list[int], rates: list[float], step_seconds: Callable[[int],
 
 
 class DraftBudget:
-    def __init__(self, bucket_seconds: dict[tuple[int, int], float], bucket_for: Callable[[int, int], tuple[int, int]]):
+    def __init__(self, bucket_seconds: dict[tuple[int, int], float], bucket_for: Callable[[int, int], tuple[int, int]],
+                 overlap: bool = True):
         """bucket_seconds: a step's time in each (tokens, sequences) bucket; bucket_for: the bucket a step of so
-        many tokens and sequences runs in (ValueError: none)."""
-        self.bucket_seconds, self.bucket_for = bucket_seconds, bucket_for
+        many tokens and sequences runs in (ValueError: none); overlap: a step without drafts runs ahead of the
+        host's work (async scheduling), so only a drafted step pays for that work (`host_seconds`)."""
+        self.bucket_seconds, self.bucket_for, self.overlap = bucket_seconds, bucket_for, overlap
+        self.host_seconds = 0.0  # the host's work around a drafted step: proposing, scheduling, reading back
+        self.dropped = 0  # steps in a row whose proposals were all dropped
+        self.probe_owed = False  # a draft is owed to the estimates (`PROBE_EVERY`)
 
-    def observe(self, bucket: tuple[int, int], seconds: float) -> None:
-        """A step of `bucket` took `seconds`."""
+    def observe(self, bucket: tuple[int, int], seconds: float, host_seconds: float | None = None) -> None:
+        """A step of `bucket` took `seconds` from its dispatch to its result, and `host_seconds` more around it
+        (a drafted step's, which no step overlapped)."""
         old = self.bucket_seconds.get(bucket)
         self.bucket_seconds[bucket] = seconds if old is None else old + STEP_WEIGHT * (seconds - old)
+        if host_seconds is not None:
+            self.host_seconds += STEP_WEIGHT * (host_seconds - self.host_seconds)
+            self.dropped, self.probe_owed = 0, False
 
     def step_seconds(self, tokens: int, seqs: int) -> float:
         try:
@@ -76,4 +89,14 @@ class DraftBudget:
     def trim(self, lengths: list[int], rates: list[float]) -> list[int]:
         """`choose` for a step whose decoding sequences proposed `lengths` drafts."""
         n = len(lengths)
-        return choose(lengths, rates, lambda tokens: self.step_seconds(tokens, n))
+        host = self.host_seconds if self.overlap else 0.0
+        kept = choose(lengths, rates, lambda tokens: self.step_seconds(tokens, n) + (host if tokens > n else 0.0))
+        if any(kept) or not any(lengths):
+            self.dropped = 0
+            return kept
+        if not self.probe_owed:
+            self.dropped += 1
+            self.probe_owed = self.dropped >= PROBE_EVERY
+        if self.probe_owed:  # until a drafted step is timed (`observe`)
+            kept[max((s for s in range(n) if lengths[s]), key=rates.__getitem__)] = 1
+        return kept

@@ -39,15 +39,17 @@ class Drafter:
         self.pooled = KeepRate()
         self.budget: DraftBudget | None = None
 
-    def calibrate(self, bucket_seconds: dict[tuple[int, int], float], bucket_for) -> None:
-        """The target's step times by bucket (timed at warm-up), for `draft_budget="step_cost"`."""
+    def calibrate(self, bucket_seconds: dict[tuple[int, int], float], bucket_for, overlap: bool = True) -> None:
+        """The target's step times by bucket (timed at warm-up), for `draft_budget="step_cost"`; overlap: the
+        engine runs undrafted steps ahead (`DraftBudget`)."""
         if self.config.draft_budget == "step_cost" and bucket_seconds:
-            self.budget = DraftBudget(bucket_seconds, bucket_for)
+            self.budget = DraftBudget(bucket_seconds, bucket_for, overlap)
 
-    def step_took(self, bucket: tuple[int, int], seconds: float) -> None:
-        """A step of `bucket` ran in `seconds` (none other in flight): the budget's estimate follows."""
+    def step_took(self, bucket: tuple[int, int], seconds: float, host_seconds: float, drafted: bool) -> None:
+        """A step of `bucket` ran in `seconds` from dispatch to result (none other in flight), and the host worked
+        `host_seconds` more around it: the budget's estimates follow (the host's time, of drafted steps)."""
         if self.budget is not None:
-            self.budget.observe(bucket, seconds)
+            self.budget.observe(bucket, seconds, host_seconds if drafted else None)
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""

@@ -117,3 +117,26 @@ def test_a_buckets_estimate_follows_the_steps_timed():
     assert budget.step_seconds(8, 1) == pytest.approx(3.0, rel=1e-3)
     budget.observe((8, 8), 7.0)
     assert 3.0 < budget.step_seconds(8, 1) < 7.0  # one step moves it, not all the way
+
+
+def test_the_hosts_work_around_a_drafted_step_counts_against_its_drafts():
+    """A step without drafts runs ahead of the host's work (async scheduling); a drafted one waits for it."""
+    budget = DraftBudget({(1, 1): 1.0, (8, 8): 1.0}, lambda t, s: (1, 1) if t == 1 else (8, 8))
+    assert budget.trim([7], [0.5]) == [7]  # rows that cost nothing
+    budget.observe((8, 8), 1.0, host_seconds=3.0)
+    budget.observe((8, 8), 1.0, host_seconds=3.0)
+    assert budget.host_seconds > 1.0
+    assert budget.trim([7], [0.5]) == [0]  # < 1 token expected from the drafts, for more than twice the time
+    assert budget.trim([7], [0.99]) == [7]
+    assert DraftBudget(budget.bucket_seconds, budget.bucket_for, overlap=False).trim([7], [0.5]) == [7]
+
+
+def test_a_budget_that_drops_every_draft_probes_now_and_then():
+    from jaxllm.speculative.draft_budget import PROBE_EVERY
+
+    budget = DraftBudget({(1, 1): 1.0, (8, 8): 100.0}, lambda t, s: (1, 1) if t == 1 else (8, 8))
+    got = [budget.trim([7], [0.5]) for _ in range(PROBE_EVERY + 2)]
+    assert got[:PROBE_EVERY - 1] == [[0]] * (PROBE_EVERY - 1)
+    assert got[PROBE_EVERY - 1:] == [[1]] * 3  # one draft, asked until a drafted step is timed
+    budget.observe((8, 8), 100.0, host_seconds=0.1)
+    assert budget.trim([7], [0.5]) == [0]
