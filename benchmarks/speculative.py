@@ -5,7 +5,7 @@ correct a given text) and on open questions; and 16 grounded streams at once. Gr
 Prompts: benchmarks/data/speculative_prompts.json.
 
     python benchmarks/speculative.py [--rounds 3] [--k 7] [--lookup-max 4] [--lookup-min 2] [--json out.json]
-        [--draft-budgets step_cost,all]
+        [--draft-budgets all,step_cost]
 
 --draft-budgets: an ngram engine per `draft_budget` value, in the same rounds (the first is the headline's).
 """
@@ -71,7 +71,7 @@ def main() -> None:
     p.add_argument("--lookup-max", type=int, default=4, help="prompt_lookup_max")
     p.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--draft-budgets", default="step_cost", help="comma-separated draft_budget values: an engine each")
+    p.add_argument("--draft-budgets", default="all", help="comma-separated draft_budget values: an engine each")
     p.add_argument("--engine", help=argparse.SUPPRESS)  # one run, here: the speculative config's JSON
     args = p.parse_args()
     if args.engine:

@@ -91,7 +91,8 @@ class LLMEngine:
     def _warmup(self, parts: EngineParts) -> None:
         before = compile_monitor.snapshot()
         start = time.perf_counter()
-        self.startup.buckets = self.runner.warmup(timed_runs=2 if self.drafter is not None else 0)
+        budget = self.drafter is not None and self.drafter.config.draft_budget == "step_cost"
+        self.startup.buckets = self.runner.warmup(timed_runs=2 if budget else 0)
         if self.drafter is not None:
             self.drafter.proposer.warmup()
             self.drafter.calibrate({b.bucket: b.run_s for b in self.startup.buckets}, self.runner.bucket_for,

@@ -31,10 +31,10 @@ class SpeculativeConfig:
     # No drafts in a step whose running batch holds this many sequences or more (vLLM's disable_by_batch_size):
     # a batch that large is compute-bound, and each draft costs a full row of the step. None: never.
     disable_by_batch_size: int | None = None
-    # Which proposed drafts a step verifies (jaxllm's own; vLLM verifies them all): "step_cost" keeps those that
-    # make the most expected tokens a second, by the steps' times measured at warm-up (`draft_budget`); "all"
-    # keeps every one.
-    draft_budget: str = "step_cost"
+    # Which proposed drafts a step verifies (jaxllm's own field): "all", every one (vLLM's behaviour); "step_cost",
+    # those that make the most expected tokens a second by the steps' measured times (`draft_budget`: opt-in, as
+    # its runs on a 2-core CPU were mixed: docs/performance.md).
+    draft_budget: str = "all"
     # draft_model: its checkpoint (a path or hub id, as `LLM(model=...)`; None: the target's), the hub revision,
     # and how its weights load (`EngineConfig.quantization`: "auto" keeps a GGUF's quantized weights); eagle3:
     # the head's folder or hub id (required) and revision

@@ -66,7 +66,7 @@ def test_keep_rate_counts_the_positions_judged():
 
 
 def test_the_drafter_trims_by_the_calibrated_step_times():
-    d = drafter(k=4)
+    d = drafter(k=4, draft_budget="step_cost")
     seqs = [decoding(SamplingParams()) for _ in range(16)]
     for i, s in enumerate(seqs):
         s.seq_id = i
@@ -84,8 +84,8 @@ def test_the_drafter_trims_by_the_calibrated_step_times():
     assert [len(s.drafts) for s in seqs[:2]] == [4, 4] and all(s.drafts == [] for s in seqs[2:])
 
 
-def test_all_keeps_every_draft_even_when_calibrated():
-    d = drafter(k=4, draft_budget="all")
+def test_all_the_default_keeps_every_draft_even_when_calibrated():
+    d = drafter(k=4)
     d.calibrate({(16, 16): 1.0, (96, 16): 100.0}, lambda t, s: (16, 16) if t <= 16 else (96, 16))
     seqs = [decoding(SamplingParams()) for _ in range(16)]
     d.propose(seqs)
@@ -95,7 +95,7 @@ def test_all_keeps_every_draft_even_when_calibrated():
 def test_a_step_does_not_wait_for_tokens_whose_drafts_the_budget_would_drop():
     """Async scheduling runs a step ahead unless some sequence quotes; it also runs ahead when the drafts the
     quoting sequences would get cost more than they save."""
-    d = drafter(k=4)
+    d = drafter(k=4, draft_budget="step_cost")
     seqs = []
     for i in range(16):
         s = decoding(SamplingParams())

@@ -44,7 +44,7 @@ def folders(tiny_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(folders, compile_cache_dir):
     target, draft = folders
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "draft_budget": "all"}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
     return (LLM(str(target), compilation_cache_dir=compile_cache_dir, speculative_config=spec, **OPTIONS),
             LLM(str(target), compilation_cache_dir=compile_cache_dir, **OPTIONS))
 
@@ -69,8 +69,7 @@ def test_no_compiles_after_warmup_and_every_page_free_after_aborts(engines):
 def test_preempted_drafting_sequences_end_as_plain_ones(folders, engines, compile_cache_dir):
     target, draft = folders
     small = LLM(str(target), compilation_cache_dir=compile_cache_dir, **{**OPTIONS, "num_pages": 24},
-                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                                    "draft_budget": "all"})
+                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(9 + i, 49 + i))} for i in range(4)]
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
@@ -88,8 +87,7 @@ def test_a_draft_split_over_two_devices_with_its_target(tiny_model_dir, tmp_path
     draft = one_layer_draft(hf_model, tmp_path / "draft")
     options = dict(OPTIONS, compilation_cache_dir=compile_cache_dir)
     spec = LLM(str(target), tensor_parallel_size=2, **options,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
-                                   "draft_budget": "all"})
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
     plain = LLM(str(target), **options)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)]
@@ -112,11 +110,13 @@ def test_drafts_stop_at_max_tokens_and_the_model_length(engines):
 
 
 def test_the_draft_budget_weighs_rows_by_the_steps_timed_at_warmup(folders, engines, compile_cache_dir):
-    """The default `draft_budget` ("step_cost"): every bucket timed at warm-up, then by the steps run."""
+    """`draft_budget="step_cost"`: every bucket timed at warm-up, then by the steps run."""
     plain = engines[1]
     spec = LLM(str(folders[0]), compilation_cache_dir=compile_cache_dir, **OPTIONS,
-               speculative_config={"method": "draft_model", "model": str(folders[1]), "num_speculative_tokens": 3})
-    assert engines[0].engine.drafter.budget is None  # "all"
+               speculative_config={"method": "draft_model", "model": str(folders[1]), "num_speculative_tokens": 3,
+                                   "draft_budget": "step_cost"})
+    assert engines[0].engine.drafter.budget is None  # the default, "all": nothing timed
+    assert all(build.run_s == 0 for build in engines[0].engine.startup.buckets)
     budget = spec.engine.drafter.budget
     buckets = spec.engine.runner.buckets
     assert budget is not None and set(budget.bucket_seconds) == set(buckets)

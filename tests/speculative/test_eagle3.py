@@ -28,9 +28,7 @@ PAIR_BIAS = {PAIR[0]: 8.0, PAIR[1]: 8.0}
 
 
 def _spec(head, k=3):
-    # every proposal verified: these tests check the drafts themselves (the budget, which may drop a tiny model's
-    # drafts as not worth their time, is tested in test_draft_budget.py)
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "draft_budget": "all"}
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
 
 
 @pytest.fixture(scope="module")
