@@ -1,7 +1,7 @@
 """Which of the proposed drafts a step verifies. A draft costs a row of the step whether the target keeps it or
 not. Where a step's time barely grows with its rows (a GPU's small batches: reading the weights is the step),
 every draft is nearly free; where it grows about linearly past a few rows (a CPU: a 16-row step of SmolLM2 costs
-~4 one-row steps), a batch's drafts that will likely be rejected make it slower than plain decoding.
+2-4 one-row steps), a batch's drafts that will likely be rejected make it slower than plain decoding.
 
 Each step the budget keeps the drafts that make the most expected tokens per second of the step: the decoding
 sequences' own tokens plus, for each kept draft, the chance the target keeps it (a sequence's i-th draft is kept
@@ -20,6 +20,7 @@ import dataclasses
 from collections.abc import Callable
 
 PRIOR_WEIGHT = 2.0  # drafts' worth of the pooled rate in a sequence's own estimate (Laplace-style smoothing)
+FRESH_RATE = 0.5  # the pooled rate's own prior, before any draft was judged
 STEP_WEIGHT = 0.25  # a timed step's weight in its bucket's moving average
 PROBE_EVERY = 32  # after so many steps whose drafts were all dropped, one runs its likeliest draft: the estimates
 # learn only from drafted steps, and must not freeze on an early bad run
@@ -61,6 +62,8 @@ def choose(lengths: list[int], rates: list[float], step_seconds: Callable[[int],
 
 
 class DraftBudget:
+    """The step-time estimates and the per-step choice (`choose`) of `draft_budget="step_cost"`."""
+
     def __init__(self, bucket_seconds: dict[tuple[int, int], float], bucket_for: Callable[[int, int], tuple[int, int]],
                  overlap: bool = True):
         """bucket_seconds: a step's time in each (tokens, sequences) bucket; bucket_for: the bucket a step of so

@@ -1,9 +1,9 @@
 """The engine's side of speculation: before the scheduler runs, each decoding sequence gets its drafts from the
 method (`Drafter.propose`); once the step is scheduled, the method makes them final (`Drafter.fill`: a draft
 model computes them there); after the step, the counters and the method learn what the target accepted
-(`Drafter.observe`). Where the engine timed its steps at warm-up, a step verifies only the drafts that make the
-most expected tokens a second (`draft_budget`): on a host whose steps grow with their rows, a batch's unlikely
-drafts would cost more than they save.
+(`Drafter.observe`). With `draft_budget="step_cost"` (opt-in) a step verifies only the drafts that make the most
+expected tokens a second by the steps' measured times (`draft_budget`): on a host whose steps grow with their rows,
+a batch's unlikely drafts cost more than they save.
 
 A sequence gets no drafts where the target's samples at later positions would not be those of plain steps: its
 penalties read a history the drafts are not in, a grammar's mask follows each token, and min_tokens' bans end
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jaxllm.speculative.draft_budget import DraftBudget, KeepRate
+from jaxllm.speculative.draft_budget import FRESH_RATE, DraftBudget, KeepRate
 from jaxllm.speculative.methods import ProposerContext, make_proposer
 from jaxllm.speculative.verify import SpecDecodeStats
 
@@ -86,7 +86,7 @@ class Drafter:
         return self.budget is None or any(self._trim(seqs, rooms))
 
     def _trim(self, seqs: list[Sequence], lengths: list[int]) -> list[int]:
-        prior = self.pooled.estimate(0.5)
+        prior = self.pooled.estimate(FRESH_RATE)
         return self.budget.trim(lengths, [self.keep_rates.get(seq.seq_id, KeepRate()).estimate(prior) for seq in seqs])
 
     def observe(self, step: ScheduledStep, rejected: list[int]) -> None:
