@@ -232,11 +232,12 @@ class LLMEngine:
         the device computes it while this call turns the tokens into outputs, and the next call reads it back. A
         sequence that finished (or was aborted) meanwhile has that extra token dropped; its pages are free already,
         and the token's KV slot lies past anything the prefix cache registered."""
+        timed = self.drafter is not None and self.drafter.budget is not None
         begun = dispatched = None  # a step dispatched with none in flight: the draft budget times it
         if self._ahead is not None:
             pending, self._ahead = self._ahead, None
         else:
-            begun = time.perf_counter()
+            begun = time.perf_counter() if timed else None
             if self.drafter is not None:
                 self.drafter.propose(self.scheduler.running)
             step = self.scheduler.schedule()
@@ -244,16 +245,17 @@ class LLMEngine:
                 return []
             if self.drafter is not None:
                 self.drafter.fill(step)
-                dispatched = time.perf_counter()
+            dispatched = time.perf_counter() if timed else None
             pending = self.runner.dispatch(step)
         if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
             self._ahead = self.runner.dispatch(nxt, after=pending)
         result = self.runner.collect(pending)
+        if dispatched is None:
+            return self._update(pending.step, result)
         collected = time.perf_counter()
         outputs = self._update(pending.step, result)
-        if dispatched is not None:
-            host = dispatched - begun + time.perf_counter() - collected
-            self.drafter.step_took(pending.bucket, collected - dispatched, host, any(pending.step.drafts))
+        host = dispatched - begun + time.perf_counter() - collected
+        self.drafter.step_took(pending.bucket, collected - dispatched, host, any(pending.step.drafts))
         return outputs
 
     def _may_look_ahead(self, step) -> bool:

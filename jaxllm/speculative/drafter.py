@@ -56,7 +56,8 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
-        self.keep_rates = {seq.seq_id: r for seq in running if (r := self.keep_rates.get(seq.seq_id)) is not None}
+        if self.budget is not None:
+            self.keep_rates = {seq.seq_id: r for seq in running if (r := self.keep_rates.get(seq.seq_id)) is not None}
         self.proposer.begin(running)
         for seq in running:
             room = 0 if off or not self._may_draft(seq) else self._room(seq)
@@ -79,11 +80,12 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(seqs) >= limit:
             return False
+        if self.budget is None:
+            return any(self._may_draft(seq) and self._room(seq) > 1 and self.proposer.worth_waiting(seq)
+                       for seq in seqs)
         rooms = [self._room(seq) if self._may_draft(seq) and self.proposer.worth_waiting(seq) else 0 for seq in seqs]
-        if not any(room > 1 for room in rooms):
-            return False
         # nor when the budget would drop the drafts the quoting sequences could get
-        return self.budget is None or any(self._trim(seqs, rooms))
+        return any(room > 1 for room in rooms) and any(self._trim(seqs, rooms))
 
     def _trim(self, seqs: list[Sequence], lengths: list[int]) -> list[int]:
         prior = self.pooled.estimate(FRESH_RATE)
@@ -96,8 +98,9 @@ class Drafter:
             if drafted:
                 kept = len(drafted) - lost
                 self.stats.observe(len(drafted), kept)
-                self.keep_rates.setdefault(seq.seq_id, KeepRate()).observe(len(drafted), kept)
-                self.pooled.observe(len(drafted), kept)
+                if self.budget is not None:
+                    self.keep_rates.setdefault(seq.seq_id, KeepRate()).observe(len(drafted), kept)
+                    self.pooled.observe(len(drafted), kept)
                 self.caps[seq.seq_id] = k if lost == 0 else max(1, 2 * kept)
 
     @staticmethod

@@ -36,14 +36,15 @@ ENV = "JAXLLM_CPU_INT8_ISA"
 
 
 @functools.cache
-def _features() -> dict[str, bool]:
+def host_features() -> dict[str, bool]:
+    """The CPU features LLVM reports for this host (what numba compiles for)."""
     import llvmlite.binding as llvm
     return {k: bool(v) for k, v in llvm.get_host_cpu_features().items()}
 
 
 def supported(isa: str) -> bool:
     """Whether this CPU runs `isa`'s instructions."""
-    f = _features()
+    f = host_features()
     if isa == "amx":
         return f.get("amx-int8", False) and f.get("amx-tile", False) and f.get("avx512bw", False) and _permitted()
     if isa == "vnni512":

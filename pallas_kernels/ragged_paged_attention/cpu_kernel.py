@@ -50,6 +50,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     widen,
     workers,
 )
+from pallas_kernels.quantized_matmul.isa import host_features  # noqa: E402
 from pallas_kernels.ragged_paged_attention import cpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
     CHAINS,
@@ -70,16 +71,9 @@ from pallas_kernels.ragged_paged_attention.cpu_page_fold import (  # noqa: E402
 NEG = np.float32(cpu.NEG)
 
 
-def _wide_rows() -> bool:
-    """Whether this host has 512-bit vectors (AVX-512F): the rows layout then folds 16 query rows an instruction
-    instead of 8 (a prefill chunk's or a speculative step's rows, not a decode's, which take the by-row layout)."""
-    import llvmlite.binding as llvm
-    return bool(llvm.get_host_cpu_features().get("avx512f", False))
-
-
-# Query rows a vector of the rows layout holds: numba reads it as a constant when it compiles (its cache is kept per
-# host CPU, so a cache built elsewhere is not reused here)
-ROW_LANES = WIDE_LANES if _wide_rows() else LANES
+# Query rows a vector of the rows layout holds (a prefill chunk's or a speculative step's rows; a decode's take the
+# by-row layout): 16 where the host has 512-bit vectors (AVX-512F), half the instructions of 8
+ROW_LANES = WIDE_LANES if host_features().get("avx512f", False) else LANES
 
 
 _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, cache=True)

@@ -43,7 +43,6 @@ LOG2E, LN2_HI, LN2_LO = np.float32(1.44269504), np.float32(0.693359375), np.floa
 EXP_POLY = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
                                           1.6666665459e-1, 5.0000001201e-1))
 _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
-_V, _VI = ir.VectorType(_F32, LANES), ir.VectorType(_I32, LANES)
 _NEG = float(np.float32(cpu.NEG))
 
 
@@ -70,10 +69,12 @@ def _vi(lanes):
     return ir.VectorType(_I32, lanes)
 
 
+_V, _VI = _vf(LANES), _vi(LANES)  # the by-row layout's vectors
+
+
 def _splat(b, scalar, lanes=LANES):
-    vec = b.insert_element(ir.Constant(_vf(lanes) if scalar.type == _F32 else _vi(lanes), None), scalar,
-                           ir.Constant(_I32, 0))
-    return b.shuffle_vector(vec, ir.Constant(vec.type, None), ir.Constant(_vi(lanes), [0] * lanes))
+    vec = b.insert_element(ir.Constant(_vf(lanes), None), scalar, ir.Constant(_I32, 0))
+    return b.shuffle_vector(vec, ir.Constant(_vf(lanes), None), ir.Constant(_vi(lanes), [0] * lanes))
 
 
 def _const(value, lanes=LANES):

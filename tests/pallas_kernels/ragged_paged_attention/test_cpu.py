@@ -222,9 +222,3 @@ def test_float_caches_run_the_custom_call_and_float8_is_refused():
     with pytest.raises(ValueError, match="reads float32, float16 or bfloat16 caches, not float8_e4m3fn"):
         _lowered(jnp.float8_e4m3fn)
     assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn).attention == "reference"
-
-
-def test_the_rows_layout_is_16_rows_a_vector_where_the_host_has_avx512():
-    import llvmlite.binding as llvm
-
-    assert ROW_LANES == (WIDE_LANES if llvm.get_host_cpu_features().get("avx512f", False) else LANES)
