@@ -9,7 +9,8 @@ every rank of 64 outputs at a time in registers (`expand`: 4 independent chains 
 lane by lane. Both sum each output's rank terms from zero, ranks in order, one fma each, so a token's result does
 not depend on the path, on the others or on the thread split. A token without an adapter gets exact zeros.
 Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
-as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes."""
+as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes. Each
+pass hints the rows it reads next into cache while it reads these (`hint`): a decode step's tables come from memory."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     launch,
     load32,
     load64,
+    prefetch,
     symbol,
     to_int,
     to_ptr,
@@ -227,6 +229,15 @@ def _dots_intrinsic(count):
 dots_block, dots_one = _dots_intrinsic(A_ROWS), _dots_intrinsic(1)
 
 
+@numba.njit(inline="always", **_KW)
+def hint(addr, size):
+    """Hints the lines of [addr, addr + size) into every cache level. A decode step reads each table once, from
+    memory (the weights streamed since evicted it): rows of a few hundred bytes to a few KB, too short for the
+    hardware prefetchers to get ahead of, so each pass hints the rows it reads next while it reads these."""
+    for line in range(addr & ~np.int64(63), addr + size, 64):
+        prefetch(line)
+
+
 @numba.njit(**_KW)
 def a_block(x, a, slots, u, t0, t1, r0, r1):
     """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
@@ -240,7 +251,13 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
         n = x.shape[1]
         xp, up = x[tok].ctypes.data, u[tok].ctypes.data
         r = r0
+        row_bytes = n * a.itemsize
+        cold = tok == t0 or slots[tok - 1] != s  # (the token before read these rows: in cache)
+        if cold:
+            hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
         while r + A_ROWS <= r1:
+            if cold and r + A_ROWS < r1:  # the next block's rows, while this one's are read
+                hint(a[s, r + A_ROWS].ctypes.data, min(A_ROWS, r1 - r - A_ROWS) * row_bytes)
             dots_block(xp, a[s, r].ctypes.data, n, up + 4 * r, a[s, r, 0])
             r += A_ROWS
         while r < r1:
@@ -303,8 +320,13 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                     mixed = True
             if not mixed:
                 continue
+        cold = tok == 0 or slots[tok - 1] != s  # (the token before read these rows: in cache)
+        if cold:
+            hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
         for r in range(rank):
             bt = b[s, r, o0:o1]
+            if cold and r + 1 < rank:  # the next rank's row, while this one's is read
+                hint(b[s, r + 1, o0:o1].ctypes.data, out * b.itemsize)
             if whole:
                 c0, c1 = u[tok, r], u[tok, rank + r]
                 for o in range(STREAM_PATTERN):
