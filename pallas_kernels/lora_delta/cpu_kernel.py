@@ -238,6 +238,15 @@ def hint(addr, size):
         prefetch(line)
 
 
+@numba.njit(inline="always", **_KW)
+def first_use(slots, t0, tok):
+    """Whether no token of t0:tok uses token tok's slot (its rows not yet read: worth hinting)."""
+    for i in range(t0, tok):
+        if slots[i] == slots[tok]:
+            return False
+    return True
+
+
 @numba.njit(**_KW)
 def a_block(x, a, slots, u, t0, t1, r0, r1):
     """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
@@ -252,7 +261,7 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
         xp, up = x[tok].ctypes.data, u[tok].ctypes.data
         r = r0
         row_bytes = n * a.itemsize
-        cold = tok == t0 or slots[tok - 1] != s  # (the token before read these rows: in cache)
+        cold = x.shape[0] <= STREAMED_TOKENS and first_use(slots, t0, tok)  # (a bigger step's rows are shared)
         if cold:
             hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
         while r + A_ROWS <= r1:
@@ -320,7 +329,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                     mixed = True
             if not mixed:
                 continue
-        cold = tok == 0 or slots[tok - 1] != s  # (the token before read these rows: in cache)
+        cold = first_use(slots, 0, tok)
         if cold:
             hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
         for r in range(rank):
