@@ -52,7 +52,7 @@ ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
 COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v's parts: a run is never cut)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows rank by rank (`b_token_rows`)
-STREAM_PATTERN = 512  # outputs a rank's coefficient pattern covers there (alternating parts)
+STREAM_PATTERN = 512  # the second pass's chunk unit where outputs alternate parts (gate/up)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
@@ -73,10 +73,9 @@ def _widened(b, addr, element, count):
     return b.bitcast(wide, ir.VectorType(_F32, count))  # bfloat16: the upper half of a float32
 
 
-def _axpy(b, dst, src, coef, n, element, by_element):
-    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: c_i is coef (a float) or,
-    by_element, the float at coef + 4 i. One rounding per element either way, so a result never depends on n or
-    on where the vector part ends."""
+def _axpy(b, dst, src, coef, n, element):
+    """dst[i] = fma(coef, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: one rounding per
+    element, so a result never depends on n or on where the vector part ends."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, start):
@@ -88,11 +87,8 @@ def _axpy(b, dst, src, coef, n, element, by_element):
             at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
             d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
             w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
-            if by_element:
-                c = b.load(b.inttoptr(b.add(coef, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
-            else:
-                c = b.insert_element(ir.Constant(vf, None), coef, ir.Constant(_I32, 0))
-                c = b.shuffle_vector(c, ir.Constant(vf, None), ir.Constant(ir.VectorType(_I32, count), [0] * count))
+            c = b.insert_element(ir.Constant(vf, None), coef, ir.Constant(_I32, 0))
+            c = b.shuffle_vector(c, ir.Constant(vf, None), ir.Constant(ir.VectorType(_I32, count), [0] * count))
             b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
             return []
         return body
@@ -103,20 +99,59 @@ def _axpy(b, dst, src, coef, n, element, by_element):
     ir_for(b, b.sub(n, done), [], run(1, done))
 
 
-def _axpy_intrinsic(by_element):
-    @intrinsic
-    def axpy(typingctx, dst, src, coef, n, element):
-        """dst[0:n] (float32 address) += c * src[0:n] (table elements of `element`'s type from address src), each
-        one fma: c the float coef, or by_element the float32 at address coef + 4 i (`_axpy`)."""
-        def codegen(context, b, sig, args):
-            _axpy(b, *args[:4], sig.args[4], by_element)
-            return context.get_dummy_value()
-        return types.void(types.int64, types.int64, types.int64 if by_element else types.float32, types.int64,
-                          element), codegen
-    return axpy
+def _axpy_alternating(b, dst, src, c0, c1, n, element):
+    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, c_i c0 for even i and c1 for odd (gate/up's alternating
+    outputs), _VEC at a time then one by one: one rounding per element, as `_axpy`'s."""
+    size = 2 if element in (types.uint16, types.int16) else 4
+
+    def run(count, start):
+        vf, vi = ir.VectorType(_F32, count), ir.VectorType(_I32, count)
+        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{count}f32")
+
+        def splat(c):
+            v = b.insert_element(ir.Constant(vf, None), c, ir.Constant(_I32, 0))
+            return b.shuffle_vector(v, ir.Constant(vf, None), ir.Constant(vi, [0] * count))
+
+        def body(i, _):
+            at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
+            if count == 1:
+                odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
+                odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd, ir.Constant(_I32, 0))
+            else:  # `at` is a multiple of _VEC: lane j's parity is j's
+                odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
+            d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
+            w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
+            c = b.select(odd, splat(c1), splat(c0))
+            b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
+            return []
+        return body
+
+    vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
+    ir_for(b, vectors, [], run(_VEC, ir.Constant(_I64, 0)))
+    done = b.mul(vectors, ir.Constant(_I64, _VEC))
+    ir_for(b, b.sub(n, done), [], run(1, done))
 
 
-axpy, axpy_by = _axpy_intrinsic(False), _axpy_intrinsic(True)
+@intrinsic
+def axpy_alternating(typingctx, dst, src, c0, c1, n, element):
+    """dst[0:n] (float32 address) += c * src[0:n] (table elements of `element`'s type from address src), c the float
+    c0 at even outputs and c1 at odd ones, each one fma (`_axpy_alternating`)."""
+    def codegen(context, b, sig, args):
+        _axpy_alternating(b, *args[:5], sig.args[5])
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.float32, types.float32, types.int64, element), codegen
+
+
+@intrinsic
+def axpy(typingctx, dst, src, coef, n, element):
+    """dst[0:n] (float32 address) += coef * src[0:n] (table elements of `element`'s type from address src), each one
+    fma (`_axpy`)."""
+    def codegen(context, b, sig, args):
+        _axpy(b, *args[:4], sig.args[4])
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.float32, types.int64, element), codegen
+
+
 
 
 def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
@@ -277,15 +312,17 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 @numba.njit(**_KW)
 def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=False):
     """y[:, o0:o1] token by token, over runs of outputs of one part (a row of o or down is one run, q/k/v's a run
-    per head group and part) or, for gate/up's alternating outputs, whole patterns of STREAM_PATTERN outputs.
+    per head group and part) or, for gate/up's alternating outputs, the block whole (`axpy_alternating`,
+    `expand_alternating`: each lane's coefficient by its parity).
     in_registers: each run's rank sums in registers (`expand`: R streams at once, for tables in cache); otherwise
     rank by rank, the token's B rows read once each, front to back, one stream (what the prefetchers follow when a
     decode step reads the tables from memory). Either way each output sums its rank terms from zero, ranks in
     order, one fma each (a run of mixed parts, each output its own coefficient, in numba's loop)."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
-    whole = alternating and out % STREAM_PATTERN == 0 and o0 % 2 == 0  # gate, up, ...: a pattern of a rank's two
-    listed = 0 if whole else out  # outputs whose parts and runs are listed (the pattern needs none)
+    whole = alternating and o0 % 2 == 0  # gate, up, ...: lanes by parity (a block from an odd output: listed)
+    single = not alternating and parts_p == 0  # one part (o, down): one run
+    listed = 0 if whole or single else out  # outputs whose parts and runs are listed (neither case needs them)
     part = np.zeros(listed, np.int32)
     if alternating and not whole:
         for o in range(out):
@@ -295,7 +332,10 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
             part[o] = load32(parts_p + 4 * (o0 + o))
     runs = np.empty((max(listed, 1), 3), np.int64)  # (start, length, part; -1: each output its own part)
     n_runs = 0
-    if alternating and not whole:
+    if single:
+        runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, 0
+        n_runs = 1
+    elif alternating and not whole:
         runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, -1
         n_runs = 1
     elif not whole:
@@ -305,7 +345,6 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                 runs[n_runs, 0], runs[n_runs, 1], runs[n_runs, 2] = start, o - start, part[start]
                 n_runs += 1
                 start = o
-    pattern = np.empty(STREAM_PATTERN if whole else 1, np.float32)
     stride = b.shape[2]
     for tok in range(y.shape[0]):
         s = slots[tok]
@@ -337,12 +376,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
             if cold and r + 1 < rank:  # the next rank's row, while this one's is read
                 hint(b[s, r + 1, o0:o1].ctypes.data, out * b.itemsize)
             if whole:
-                c0, c1 = u[tok, r], u[tok, rank + r]
-                for o in range(STREAM_PATTERN):
-                    pattern[o] = c1 if o & 1 else c0
-                for k in range(out // STREAM_PATTERN):
-                    axpy_by(row.ctypes.data + 4 * k * STREAM_PATTERN, bt.ctypes.data + bt.itemsize * k * STREAM_PATTERN,
-                            pattern.ctypes.data, STREAM_PATTERN, bt[0])
+                axpy_alternating(row.ctypes.data, bt.ctypes.data, u[tok, r], u[tok, rank + r], out, bt[0])
                 continue
             for k in range(n_runs):
                 start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
