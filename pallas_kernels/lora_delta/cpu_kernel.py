@@ -73,35 +73,10 @@ def _widened(b, addr, element, count):
     return b.bitcast(wide, ir.VectorType(_F32, count))  # bfloat16: the upper half of a float32
 
 
-def _axpy(b, dst, src, coef, n, element):
-    """dst[i] = fma(coef, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: one rounding per
-    element, so a result never depends on n or on where the vector part ends."""
-    size = 2 if element in (types.uint16, types.int16) else 4
-
-    def run(count, start):
-        vf = ir.VectorType(_F32, count)
-        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3),
-                                             f"llvm.fma.v{count}f32")
-
-        def body(i, _):
-            at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
-            d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
-            w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
-            c = b.insert_element(ir.Constant(vf, None), coef, ir.Constant(_I32, 0))
-            c = b.shuffle_vector(c, ir.Constant(vf, None), ir.Constant(ir.VectorType(_I32, count), [0] * count))
-            b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
-            return []
-        return body
-
-    vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
-    ir_for(b, vectors, [], run(_VEC, ir.Constant(_I64, 0)))
-    done = b.mul(vectors, ir.Constant(_I64, _VEC))
-    ir_for(b, b.sub(n, done), [], run(1, done))
-
-
-def _axpy_alternating(b, dst, src, c0, c1, n, element):
-    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, c_i c0 for even i and c1 for odd (gate/up's alternating
-    outputs), _VEC at a time then one by one: one rounding per element, as `_axpy`'s."""
+def _axpy(b, dst, src, c0, c1, n, element):
+    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: c_i the float c0, or
+    where c1 is given c0 for even i and c1 for odd (gate/up's alternating outputs). One rounding per element, so a
+    result never depends on n or on where the vector part ends."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, start):
@@ -114,14 +89,17 @@ def _axpy_alternating(b, dst, src, c0, c1, n, element):
 
         def body(i, _):
             at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
-            if count == 1:
-                odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
-                odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd, ir.Constant(_I32, 0))
-            else:  # `at` is a multiple of _VEC: lane j's parity is j's
-                odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
+            c = splat(c0)
+            if c1 is not None:
+                if count == 1:
+                    odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
+                    odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd,
+                                           ir.Constant(_I32, 0))
+                else:  # `at` is a multiple of _VEC: lane j's parity is j's
+                    odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
+                c = b.select(odd, splat(c1), c)
             d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
             w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
-            c = b.select(odd, splat(c1), splat(c0))
             b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
             return []
         return body
@@ -133,25 +111,22 @@ def _axpy_alternating(b, dst, src, c0, c1, n, element):
 
 
 @intrinsic
-def axpy_alternating(typingctx, dst, src, c0, c1, n, element):
-    """dst[0:n] (float32 address) += c * src[0:n] (table elements of `element`'s type from address src), c the float
-    c0 at even outputs and c1 at odd ones, each one fma (`_axpy_alternating`)."""
-    def codegen(context, b, sig, args):
-        _axpy_alternating(b, *args[:5], sig.args[5])
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.float32, types.float32, types.int64, element), codegen
-
-
-@intrinsic
 def axpy(typingctx, dst, src, coef, n, element):
     """dst[0:n] (float32 address) += coef * src[0:n] (table elements of `element`'s type from address src), each one
     fma (`_axpy`)."""
     def codegen(context, b, sig, args):
-        _axpy(b, *args[:4], sig.args[4])
+        _axpy(b, args[0], args[1], args[2], None, args[3], sig.args[4])
         return context.get_dummy_value()
     return types.void(types.int64, types.int64, types.float32, types.int64, element), codegen
 
 
+@intrinsic
+def axpy_alternating(typingctx, dst, src, c0, c1, n, element):
+    """`axpy` with the float c0 at even outputs and c1 at odd ones (gate/up's parts in turn)."""
+    def codegen(context, b, sig, args):
+        _axpy(b, *args[:5], sig.args[5])
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.float32, types.float32, types.int64, element), codegen
 
 
 def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
