@@ -52,7 +52,7 @@ ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
 COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v's parts: a run is never cut)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows rank by rank (`b_token_rows`)
-STREAM_PATTERN = 512  # the second pass's chunk unit where outputs alternate parts (gate/up)
+ALTERNATING_COLS = 512  # the second pass's chunk unit where outputs alternate parts (gate/up)
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
@@ -343,7 +343,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                     mixed = True
             if not mixed:
                 continue
-        cold = first_use(slots, 0, tok)
+        cold = not in_registers and first_use(slots, 0, tok)  # (a streamed step's rows, as `a_block`'s)
         if cold:
             hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
         for r in range(rank):
@@ -469,7 +469,7 @@ def call_words(frame, first, y_p, u_p, itemsize):
     alternating = dim(parts_d, 0) == 2  # (a 2-output layer's own parts would be the same: 0, 1)
     if alternating or dim(parts_d, 0) != o:
         parts_p = 0
-    unit = STREAM_PATTERN if alternating else COLS_PER_CHUNK  # a chunk's outputs: whole patterns
+    unit = ALTERNATING_COLS if alternating else COLS_PER_CHUNK  # a chunk's outputs: even-aligned runs
     per = unit * (((o + unit - 1) // unit + workers() - 1) // workers())
     return (x_p, a_p, b_p, parts_p, slots_p, u_p, y_p, t, n, w, o, rank, s_count, np.int64(alternating), per)
 
