@@ -2,10 +2,11 @@
 the same engine with ``enable_lora=True, max_loras=4, max_lora_rank=16`` serving four random rank-16 adapters (every
 projection of every layer targeted), the engines in one process, alternating (in separate processes one engine's
 single stream spread over 102-150 tok/s: `family_cost.py`). Batched: 32 streams (the LoRA engine's mixing the four
-adapters, eight each) of 64-token prompts, 128 new tokens each, the engines in turn; single stream: one such request
-at a time (the LoRA engine's with an adapter), six a round, the engines alternating request by request. Greedy, EOS
-ignored: the engines produce the same number of tokens. Besides the medians of rounds, the median over every
-request of its tok/s against the plain engine's run of the same request beside it. ``--lora-dtypes auto,float32``
+adapters, eight each) of 64-token prompts, 128 new tokens each, three runs an engine a round, the engines alternating
+run by run (~3 s a run); single stream: one such request at a time (the LoRA engine's with an adapter), six a round,
+the engines alternating request by request. Greedy, EOS ignored: the engines produce the same number of tokens.
+Besides the medians of rounds, the median over every run (request) of its tok/s against the plain engine's run of
+the same workload beside it. ``--lora-dtypes auto,float32``
 adds a LoRA engine per adapter-table dtype (`lora_dtype`; "auto": bfloat16 over the embedded model's quantized
 weights), in the same rounds.
 
@@ -24,7 +25,7 @@ from pathlib import Path
 import machine
 import numpy as np
 
-STREAMS, PROMPT_LEN, NEW_TOKENS, SINGLE = 32, 64, 128, 6
+STREAMS, PROMPT_LEN, NEW_TOKENS, SINGLE, BATCHED = 32, 64, 128, 6, 3
 ADAPTERS, RANK = 4, 16
 MODULES = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj")}
 
@@ -93,15 +94,20 @@ def single(llm, prompts, requests, i: int) -> tuple[int, float]:
 
 
 def measure_round(engines: dict, order: list[str]) -> dict[str, dict]:
-    """Each engine's batched figure in turn, then the single-stream requests with the engines alternating request
-    by request (one request takes ~2 s: the machine's speed moves less between neighbours than between engines'
-    whole turns)."""
-    result = {name: {"batched_tok_s": batched(*engines[name])} for name in order}
+    """The batched runs, then the single-stream requests, the engines alternating run by run (request by request),
+    each pass in the reverse order of the one before (a run takes 2-3 s: the machine's speed, which moves by up to
+    2x within minutes, moves less between neighbours than between engines' whole turns)."""
+    result: dict[str, dict] = {name: {"batched_runs_tok_s": []} for name in order}
+    for i in range(BATCHED):
+        for name in (order if i % 2 == 0 else order[::-1]):
+            result[name]["batched_runs_tok_s"].append(batched(*engines[name]))
     each: dict[str, list[tuple[int, float]]] = {name: [] for name in order}
     for i in range(SINGLE):
         for name in (order if i % 2 == 0 else order[::-1]):
             each[name].append(single(*engines[name], i))
     for name, runs in each.items():
+        batched_runs = result[name]["batched_runs_tok_s"]
+        result[name]["batched_tok_s"] = len(batched_runs) / sum(1 / x for x in batched_runs)  # tokens / time
         result[name]["single_tok_s"] = sum(n for n, _ in runs) / sum(s for _, s in runs)
         result[name]["single_requests_tok_s"] = [n / s for n, s in runs]
     return result
@@ -129,10 +135,11 @@ def main() -> None:
     keys = ("batched_tok_s", "single_tok_s")
     med = {name: {k: statistics.median(x[k] for x in rs) for k in keys} for name, rs in runs.items()}
     ratios = {name: {k: med[name][k] / med["base"][k] for k in keys} for name in names if name != "base"}
-    for name in ratios:  # each request against the plain engine's run of it next to it, over every round
-        pairs = [mine / plain for rm, rb in zip(runs[name], runs["base"], strict=True)
-                 for mine, plain in zip(rm["single_requests_tok_s"], rb["single_requests_tok_s"], strict=True)]
-        ratios[name]["single_pairs_median"] = statistics.median(pairs)
+    for name in ratios:  # each run against the plain engine's run of it next to it, over every round
+        for key, runs_key in (("batched", "batched_runs_tok_s"), ("single", "single_requests_tok_s")):
+            pairs = [mine / plain for rm, rb in zip(runs[name], runs["base"], strict=True)
+                     for mine, plain in zip(rm[runs_key], rb[runs_key], strict=True)]
+            ratios[name][f"{key}_pairs_median"] = statistics.median(pairs)
     result = {"machine": machine.describe(), "rounds": args.rounds, "lora_dtypes": dtypes, "runs": runs,
               "median": med, "ratios": ratios}
     loras = [n for n in names if n != "base"]
@@ -142,8 +149,9 @@ def main() -> None:
                      ("single_tok_s", "single stream (with an adapter)")):
         cells = " | ".join(f"{med[n][k]:.1f} | {ratios[n][k]:.2f}x" for n in loras)
         print(f"| {label} | {med['base'][k]:.1f} | {cells} |")
-    print("single stream, median of request pairs: " + ", ".join(f"{n} {ratios[n]['single_pairs_median']:.2f}x"
-                                                                 for n in loras))
+    for key, label in (("batched", "batched, median of run pairs"),
+                       ("single", "single stream, median of request pairs")):
+        print(f"{label}: " + ", ".join(f"{n} {ratios[n][key + '_pairs_median']:.2f}x" for n in loras))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
