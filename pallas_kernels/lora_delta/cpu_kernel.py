@@ -53,6 +53,7 @@ COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
 STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows rank by rank (`b_token_rows`)
 ALTERNATING_COLS = 512  # the second pass's chunk unit where outputs alternate parts (gate/up)
+GROUP = 4  # tokens of one slot a pass takes at once: each table vector widened once for them all
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
 # spread over the threads even where A has a single block of rows)
 
@@ -71,6 +72,12 @@ def _widened(b, addr, element, count):
         return b.fpext(b.bitcast(bits, ir.VectorType(ir.HalfType(), count)), ir.VectorType(_F32, count))
     wide = b.shl(b.zext(bits, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count), [16] * count))
     return b.bitcast(wide, ir.VectorType(_F32, count))  # bfloat16: the upper half of a float32
+
+
+def _addresses(b, at, count):
+    """The `count` int64 words at address `at` (a group's token addresses, stored by the caller)."""
+    return [b.load(b.inttoptr(b.add(at, ir.Constant(_I64, 8 * i)), _I64.as_pointer()), align=8)
+            for i in range(count)]
 
 
 def _axpy(b, dst, src, c0, c1, n, element):
@@ -129,11 +136,12 @@ def axpy_alternating(typingctx, dst, src, c0, c1, n, element):
     return types.void(types.int64, types.int64, types.float32, types.float32, types.int64, element), codegen
 
 
-def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
-    """y[i] = sum over ranks r in order, from zero, of fma(c_r(i), widen(src[r * stride + i]), .) for i < n, the
-    rank sums of _VEC x _CHAINS outputs in registers (independent FMA chains), then _VEC, then one at a time:
-    c_r(i) is the float at c0 + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at
-    c1 + 4 r for odd i."""
+def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating):
+    """ys[k][i] = sum over ranks r in order, from zero, of fma(c_r(k, i), widen(src[r * stride + i]), .) for i < n,
+    each token k of a group, the rank sums of _VEC x _CHAINS outputs of every token in registers (independent FMA
+    chains; each B vector widened once for the group), then _VEC, then one at a time: c_r(k, i) is the float at
+    c0s[k] + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at c1s[k] + 4 r for
+    odd i. Each (token, output) chain is the same whatever the group."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, chains, start):
@@ -154,17 +162,22 @@ def _expand(b, y, src, stride, c0, c1, rank, n, element, alternating):
                 odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
 
             def rank_step(r, accs):
-                c = splat(b.add(c0, b.mul(r, ir.Constant(_I64, 4))))
-                if alternating:
-                    c = b.select(odd, splat(b.add(c1, b.mul(r, ir.Constant(_I64, 4)))), c)
                 row = b.add(b.mul(r, stride), at)
-                return [b.call(fma, [c, _widened(b, b.add(src, b.mul(b.add(row, ir.Constant(_I64, count * j)),
-                                                                     ir.Constant(_I64, size))), element, count), a])
-                        for j, a in enumerate(accs)]
-            accs = ir_for(b, rank, [ir.Constant(vf, [0.0] * count)] * chains, rank_step)
-            for j, acc in enumerate(accs):
-                at_j = b.add(at, ir.Constant(_I64, count * j))
-                b.store(acc, b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))), vf.as_pointer()), align=4)
+                ws = [_widened(b, b.add(src, b.mul(b.add(row, ir.Constant(_I64, count * j)), ir.Constant(_I64, size))),
+                               element, count) for j in range(chains)]
+                new = []
+                for k in range(len(ys)):
+                    c = splat(b.add(c0s[k], b.mul(r, ir.Constant(_I64, 4))))
+                    if alternating:
+                        c = b.select(odd, splat(b.add(c1s[k], b.mul(r, ir.Constant(_I64, 4)))), c)
+                    new += [b.call(fma, [c, w, accs[k * chains + j]]) for j, w in enumerate(ws)]
+                return new
+            accs = ir_for(b, rank, [ir.Constant(vf, [0.0] * count)] * (chains * len(ys)), rank_step)
+            for k, y in enumerate(ys):
+                for j in range(chains):
+                    at_j = b.add(at, ir.Constant(_I64, count * j))
+                    b.store(accs[k * chains + j], b.inttoptr(b.add(y, b.mul(at_j, ir.Constant(_I64, 4))),
+                                                             vf.as_pointer()), align=4)
             return []
         return body
 
@@ -181,62 +194,95 @@ def _expand_intrinsic(alternating):
         """y[0:n] (float32 address) = the rank terms of src (B rows of `element`'s type from address src, `stride`
         elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
         def codegen(context, b, sig, args):
-            _expand(b, *args[:7], sig.args[7], alternating)
+            y, src, stride, c0, c1, rank, n = args[:7]
+            _expand(b, [y], src, stride, [c0], [c1], rank, n, sig.args[7], alternating)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 7, element), codegen
     return expand
 
 
+def _expand_group_intrinsic(alternating):
+    @intrinsic
+    def expand_group(typingctx, ys, y_offset, src, stride, cs, c_offset, rank, n, element):
+        """`expand` for a group of GROUP tokens of one slot: token k's outputs from y_offset bytes past the address
+        ys[k], its coefficients from c_offset bytes past cs[k] (alternating: part 1's R floats after part 0's)."""
+        def codegen(context, b, sig, args):
+            ys, y_offset, src, stride, cs, c_offset, rank, n = args[:8]
+            c0s = [b.add(c, c_offset) for c in _addresses(b, cs, GROUP)]
+            c1s = [b.add(c, b.mul(rank, ir.Constant(_I64, 4))) for c in c0s]
+            _expand(b, [b.add(y, y_offset) for y in _addresses(b, ys, GROUP)], src, stride, c0s, c1s, rank, n,
+                    sig.args[8], alternating)
+            return context.get_dummy_value()
+        return types.void(*[types.int64] * 8, element), codegen
+    return expand_group
+
+
 expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
+expand_group, expand_group_alternating = _expand_group_intrinsic(False), _expand_group_intrinsic(True)
 
 
 A_ROWS = 4  # rows of A a token's first-pass step meets at once (its input loaded once for them)
 
 
-def _emit_dots(b, x, rows_at, n, y, element, count):
-    """y[j] = the fixed-order dot of the float32 input at x and row j (elements of `element`'s type, rows n apart
-    from rows_at) for j < count: 16-lane FMA chains over n // 16 vectors, a fixed tree over the lanes (`ir_hsum`),
-    then the last n % 16 products in order."""
+def _emit_dots(b, xs, rows_at, n, ys, element, count):
+    """ys[k][j] = the fixed-order dot of the float32 input at xs[k] and row j (elements of `element`'s type, rows n
+    apart from rows_at) for j < count, each token k of a group: 16-lane FMA chains over n // 16 vectors, a fixed
+    tree over the lanes (`ir_hsum`), then the last n % 16 products in order. Each row's vector is widened once for
+    every token of the group; each (token, row) chain is the same whatever the group."""
     size = 2 if element in (types.uint16, types.int16) else 4
     v16 = ir.VectorType(_F32, _VEC)
     fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
     fma1 = cgutils.get_or_insert_function(b.module, ir.FunctionType(_F32, [_F32] * 3), "llvm.fma.f32")
+    tokens = len(xs)
 
     def row_at(j, at):
         return b.add(rows_at, b.mul(b.add(b.mul(ir.Constant(_I64, j), n), at), ir.Constant(_I64, size)))
 
     def vec(i, accs):
         at = b.mul(i, ir.Constant(_I64, _VEC))
-        xv = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), v16.as_pointer()), align=4)
-        return [b.call(fma, [_widened(b, row_at(j, at), element, _VEC), xv, acc]) for j, acc in enumerate(accs)]
+        rows = [_widened(b, row_at(j, at), element, _VEC) for j in range(count)]
+        new = []
+        for k, x in enumerate(xs):
+            xv = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), v16.as_pointer()), align=4)
+            new += [b.call(fma, [row, xv, accs[k * count + j]]) for j, row in enumerate(rows)]
+        return new
 
     vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
-    accs = ir_for(b, vectors, [ir.Constant(v16, [0.0] * _VEC)] * count, vec)
+    accs = ir_for(b, vectors, [ir.Constant(v16, [0.0] * _VEC)] * (count * tokens), vec)
     sums = [ir_hsum(b, acc) for acc in accs]
     done = b.mul(vectors, ir.Constant(_I64, _VEC))
 
     def tail(i, sums):
         at = b.add(done, i)
-        xs = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), _F32.as_pointer()), align=4)
-        return [b.call(fma1, [b.extract_element(_widened(b, row_at(j, at), element, 1), ir.Constant(_I32, 0)), xs,
-                              acc]) for j, acc in enumerate(sums)]
-    for j, total in enumerate(ir_for(b, b.sub(n, done), sums, tail)):
-        b.store(total, b.inttoptr(b.add(y, ir.Constant(_I64, 4 * j)), _F32.as_pointer()), align=4)
+        rows = [b.extract_element(_widened(b, row_at(j, at), element, 1), ir.Constant(_I32, 0)) for j in range(count)]
+        new = []
+        for k, x in enumerate(xs):
+            xs_k = b.load(b.inttoptr(b.add(x, b.mul(at, ir.Constant(_I64, 4))), _F32.as_pointer()), align=4)
+            new += [b.call(fma1, [row, xs_k, sums[k * count + j]]) for j, row in enumerate(rows)]
+        return new
+    totals = ir_for(b, b.sub(n, done), sums, tail)
+    for k, y in enumerate(ys):
+        for j in range(count):
+            b.store(totals[k * count + j], b.inttoptr(b.add(y, ir.Constant(_I64, 4 * j)), _F32.as_pointer()), align=4)
 
 
-def _dots_intrinsic(count):
+def _dots_intrinsic(count, tokens):
     @intrinsic
-    def dots(typingctx, x, rows_at, n, y, element):
-        """y[0:count] (float32 address) = the input at x (float32, n values) against `count` table rows from
-        rows_at (`_emit_dots`)."""
+    def dots(typingctx, x, rows_at, n, y, offset, element):
+        """`count` table rows from rows_at against inputs (float32, n values) into outputs (float32, from `offset`
+        bytes past y): one token's input at x into y, or for a group (tokens > 1) the addresses at x and y hold
+        each token's (`_emit_dots`)."""
         def codegen(context, b, sig, args):
-            _emit_dots(b, args[0], args[1], args[2], args[3], sig.args[4], count)
+            x, rows_at, n, y, offset = args[:5]
+            xs, ys = ([x], [y]) if tokens == 1 else (_addresses(b, x, tokens), _addresses(b, y, tokens))
+            _emit_dots(b, xs, rows_at, n, [b.add(y, offset) for y in ys], sig.args[5], count)
             return context.get_dummy_value()
-        return types.void(*[types.int64] * 4, element), codegen
+        return types.void(*[types.int64] * 5, element), codegen
     return dots
 
 
-dots_block, dots_one = _dots_intrinsic(A_ROWS), _dots_intrinsic(1)
+dots_block, dots_one = _dots_intrinsic(A_ROWS, 1), _dots_intrinsic(1, 1)
+dots_group_block, dots_group_one = _dots_intrinsic(A_ROWS, GROUP), _dots_intrinsic(1, GROUP)
 
 
 @numba.njit(inline="always", **_KW)
@@ -249,39 +295,79 @@ def hint(addr, size):
 
 
 @numba.njit(inline="always", **_KW)
-def first_use(slots, t0, tok):
-    """Whether no token of t0:tok uses token tok's slot (its rows not yet read: worth hinting)."""
-    for i in range(t0, tok):
-        if slots[i] == slots[tok]:
-            return False
-    return True
+def by_slot(slots, n_slots, t0, t1):
+    """(order, count): the tokens of t0:t1 that have an adapter (a slot in 0:n_slots), ordered by slot, each slot's
+    in step order (a counting sort: a prefill's thousands of tokens cost a pass each)."""
+    starts = np.zeros(n_slots + 1, np.int64)
+    for tok in range(t0, t1):
+        s = slots[tok]
+        if 0 <= s < n_slots:
+            starts[s + 1] += 1
+    for s in range(n_slots):
+        starts[s + 1] += starts[s]
+    order = np.empty(starts[n_slots], np.int64)
+    for tok in range(t0, t1):
+        s = slots[tok]
+        if 0 <= s < n_slots:
+            order[starts[s]] = tok
+            starts[s] += 1
+    return order, len(order)
+
+
+@numba.njit(inline="always", **_KW)
+def run_end(slots, order, i, count):
+    """The end of the run of order[i:] that shares order[i]'s slot."""
+    end = i + 1
+    while end < count and slots[order[end]] == slots[order[i]]:
+        end += 1
+    return end
 
 
 @numba.njit(**_KW)
 def a_block(x, a, slots, u, t0, t1, r0, r1):
-    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
-    a time: each row's dot the same fixed-order sum however the rows are grouped (`_emit_dots`)."""
+    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), a slot's tokens
+    GROUP at a time (each row's vectors widened once for the group), A_ROWS rows at a time: each (token, row) dot
+    the same fixed-order sum however tokens and rows are grouped (`_emit_dots`)."""
     for tok in range(t0, t1):
-        s = slots[tok]
-        if s < 0 or s >= a.shape[0]:
-            for r in range(r0, r1):
-                u[tok, r] = np.float32(0.0)
-            continue
-        n = x.shape[1]
-        xp, up = x[tok].ctypes.data, u[tok].ctypes.data
-        r = r0
-        row_bytes = n * a.itemsize
-        cold = x.shape[0] <= STREAMED_TOKENS and first_use(slots, t0, tok)  # (a bigger step's rows are shared)
-        if cold:
-            hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
-        while r + A_ROWS <= r1:
-            if cold and r + A_ROWS < r1:  # the next block's rows, while this one's are read
-                hint(a[s, r + A_ROWS].ctypes.data, min(A_ROWS, r1 - r - A_ROWS) * row_bytes)
-            dots_block(xp, a[s, r].ctypes.data, n, up + 4 * r, a[s, r, 0])
-            r += A_ROWS
-        while r < r1:
-            dots_one(xp, a[s, r].ctypes.data, n, up + 4 * r, a[s, r, 0])
-            r += 1
+        if slots[tok] < 0 or slots[tok] >= a.shape[0]:
+            u[tok, r0:r1] = np.float32(0.0)
+    order, count = by_slot(slots, a.shape[0], t0, t1)
+    n = x.shape[1]
+    row_bytes = n * a.itemsize
+    streamed = x.shape[0] <= STREAMED_TOKENS  # its tables from memory (a bigger step's rows are shared)
+    xs, us = np.empty(GROUP, np.int64), np.empty(GROUP, np.int64)
+    i = 0
+    while i < count:
+        s = slots[order[i]]
+        end = run_end(slots, order, i, count)
+        cold = streamed
+        while i < end:
+            group = end - i >= GROUP
+            if group:
+                for k in range(GROUP):
+                    xs[k], us[k] = x[order[i + k]].ctypes.data, u[order[i + k]].ctypes.data
+                xp, up = xs.ctypes.data, us.ctypes.data
+            else:
+                xp, up = x[order[i]].ctypes.data, u[order[i]].ctypes.data
+            r = r0
+            if cold:
+                hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
+            while r + A_ROWS <= r1:
+                if cold and r + A_ROWS < r1:  # the next block's rows, while this one's are read
+                    hint(a[s, r + A_ROWS].ctypes.data, min(A_ROWS, r1 - r - A_ROWS) * row_bytes)
+                if group:
+                    dots_group_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+                else:
+                    dots_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+                r += A_ROWS
+            while r < r1:
+                if group:
+                    dots_group_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+                else:
+                    dots_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+                r += 1
+            cold = False  # the slot's rows are in cache now
+            i += GROUP if group else 1
 
 
 @numba.njit(**_KW)
@@ -289,17 +375,19 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
     """y[:, o0:o1] token by token, over runs of outputs of one part (a row of o or down is one run, q/k/v's a run
     per head group and part) or, for gate/up's alternating outputs, the block whole (`axpy_alternating`,
     `expand_alternating`: each lane's coefficient by its parity).
-    in_registers: each run's rank sums in registers (`expand`: R streams at once, for tables in cache); otherwise
-    rank by rank, the token's B rows read once each, front to back, one stream (what the prefetchers follow when a
-    decode step reads the tables from memory). Either way each output sums its rank terms from zero, ranks in
-    order, one fma each (a run of mixed parts, each output its own coefficient, in numba's loop)."""
+    in_registers: each run's rank sums in registers (`expand`: R streams at once, for tables in cache), a slot's
+    tokens GROUP at a time (`expand_group`: each B vector widened once for the group); otherwise rank by rank, the
+    token's B rows read once each, front to back, one stream (what the prefetchers follow when a decode step reads
+    the tables from memory). Either way each output sums its rank terms from zero, ranks in order, one fma each (a
+    run of mixed parts, each output its own coefficient, in numba's loop)."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
     whole = alternating and o0 % 2 == 0  # gate, up, ...: lanes by parity (a block from an odd output: listed)
     single = not alternating and parts_p == 0  # one part (o, down): one run
+    mixed = alternating and not whole  # one run, each output its own part: summed into y
     listed = 0 if whole or single else out  # outputs whose parts and runs are listed (neither case needs them)
     part = np.zeros(listed, np.int32)
-    if alternating and not whole:
+    if mixed:
         for o in range(out):
             part[o] = (o0 + o) % 2
     elif parts_p != 0:
@@ -310,7 +398,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
     if single:
         runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, 0
         n_runs = 1
-    elif alternating and not whole:
+    elif mixed:
         runs[0, 0], runs[0, 1], runs[0, 2] = 0, out, -1
         n_runs = 1
     elif not whole:
@@ -321,48 +409,75 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                 n_runs += 1
                 start = o
     stride = b.shape[2]
-    for tok in range(y.shape[0]):
-        s = slots[tok]
-        row = y[tok, o0:o1]
-        row[:] = np.float32(0.0)
-        if s < 0 or s >= n_slots:
-            continue
-        if in_registers:
-            bt = b[s, 0, o0:o1]
-            if whole:
-                expand_alternating(row.ctypes.data, bt.ctypes.data, stride, u[tok, :rank].ctypes.data,
-                                   u[tok, rank:].ctypes.data, rank, out, bt[0])
-                continue
-            mixed = False
-            for k in range(n_runs):
-                start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
-                if p >= 0:
-                    expand(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
-                           u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
+    for tok in range(y.shape[0]):  # (runs in registers store their sums: nothing else to clear)
+        if slots[tok] < 0 or slots[tok] >= n_slots or not in_registers or mixed:
+            y[tok, o0:o1] = np.float32(0.0)
+    order, count = by_slot(slots, n_slots, 0, y.shape[0])
+    ys, cs = np.empty(GROUP, np.int64), np.empty(GROUP, np.int64)
+    i = 0
+    while i < count:
+        s = slots[order[i]]
+        end = run_end(slots, order, i, count)
+        cold = not in_registers  # the slot's first token streams its rows from memory (as `a_block`'s)
+        while i < end:
+            if in_registers and not mixed and end - i >= GROUP:
+                for k in range(GROUP):
+                    ys[k], cs[k] = y[order[i + k], o0:].ctypes.data, u[order[i + k]].ctypes.data
+                src = b[s, 0, o0:].ctypes.data
+                if whole:
+                    expand_group_alternating(ys.ctypes.data, 0, src, stride, cs.ctypes.data, 0, rank, out, b[s, 0, 0])
                 else:
-                    mixed = True
-            if not mixed:
+                    for k in range(n_runs):
+                        start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
+                        expand_group(ys.ctypes.data, 4 * start, src + b.itemsize * start, stride, cs.ctypes.data,
+                                     4 * p * rank, rank, n, b[s, 0, 0])
+                i += GROUP
                 continue
-        cold = not in_registers and first_use(slots, 0, tok)  # (a streamed step's rows, as `a_block`'s)
-        if cold:
-            hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
-        for r in range(rank):
-            bt = b[s, r, o0:o1]
-            if cold and r + 1 < rank:  # the next rank's row, while this one's is read
-                hint(b[s, r + 1, o0:o1].ctypes.data, out * b.itemsize)
-            if whole:
-                axpy_alternating(row.ctypes.data, bt.ctypes.data, u[tok, r], u[tok, rank + r], out, bt[0])
-                continue
-            for k in range(n_runs):
-                start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
-                row_k = row[start:start + n]
-                bt_k = bt[start:start + n]
-                if p >= 0 and not in_registers:
-                    axpy(row_k.ctypes.data, bt_k.ctypes.data, u[tok, p * rank + r], n, bt_k[0])
-                elif p < 0:
-                    part_k = part[start:start + n]
-                    for o in range(n):
-                        row_k[o] += u[tok, part_k[o] * rank + r] * widen(bt_k[o])
+            token_rows(b, s, u, y[order[i], o0:o1], order[i], o0, o1, whole, part, runs, n_runs, in_registers, cold)
+            cold = False
+            i += 1
+
+
+@numba.njit(inline="always", **_KW)
+def token_rows(b, s, u, row, tok, o0, o1, whole, part, runs, n_runs, in_registers, cold):
+    """`b_token_rows` for one token (`row` its outputs o0:o1), of slot s: its B rows hinted rank by rank where
+    `cold` (streamed, the slot's first token)."""
+    rank, stride, out = b.shape[1], b.shape[2], o1 - o0
+    if in_registers:
+        bt = b[s, 0, o0:o1]
+        if whole:
+            expand_alternating(row.ctypes.data, bt.ctypes.data, stride, u[tok, :rank].ctypes.data,
+                               u[tok, rank:].ctypes.data, rank, out, bt[0])
+            return
+        mixed = False
+        for k in range(n_runs):
+            start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
+            if p >= 0:
+                expand(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
+                       u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
+            else:
+                mixed = True
+        if not mixed:
+            return
+    if cold:
+        hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
+    for r in range(rank):
+        bt = b[s, r, o0:o1]
+        if cold and r + 1 < rank:  # the next rank's row, while this one's is read
+            hint(b[s, r + 1, o0:o1].ctypes.data, out * b.itemsize)
+        if whole:
+            axpy_alternating(row.ctypes.data, bt.ctypes.data, u[tok, r], u[tok, rank + r], out, bt[0])
+            continue
+        for k in range(n_runs):
+            start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
+            row_k = row[start:start + n]
+            bt_k = bt[start:start + n]
+            if p >= 0 and not in_registers:
+                axpy(row_k.ctypes.data, bt_k.ctypes.data, u[tok, p * rank + r], n, bt_k[0])
+            elif p < 0:
+                part_k = part[start:start + n]
+                for o in range(n):
+                    row_k[o] += u[tok, part_k[o] * rank + r] * widen(bt_k[o])
 
 
 @numba.njit(inline="always", **_KW)
