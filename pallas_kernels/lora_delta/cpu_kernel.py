@@ -323,18 +323,58 @@ def run_end(slots, order, i, count):
     return end
 
 
-@numba.njit(**_KW)
-def a_block(x, a, slots, u, t0, t1, r0, r1):
-    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), a slot's tokens
-    GROUP at a time (each row's vectors widened once for the group), A_ROWS rows at a time: each (token, row) dot
-    the same fixed-order sum however tokens and rows are grouped (`_emit_dots`)."""
-    for tok in range(t0, t1):
-        if slots[tok] < 0 or slots[tok] >= a.shape[0]:
-            u[tok, r0:r1] = np.float32(0.0)
-    order, count = by_slot(slots, a.shape[0], t0, t1)
+@numba.njit(inline="always", **_KW)
+def first_use(slots, t0, tok):
+    """Whether no token of t0:tok uses token tok's slot (its rows not yet read: worth hinting)."""
+    for i in range(t0, tok):
+        if slots[i] == slots[tok]:
+            return False
+    return True
+
+
+@numba.njit(inline="always", **_KW)
+def a_rows_of(x, a, s, u, r0, r1, cold, group, xp, up):
+    """Rows r0:r1 of slot s's A against one token's input (at xp, into u at up) or a group's (`group`: xp and up
+    the addresses of GROUP tokens' addresses), A_ROWS rows at a time, the rows hinted ahead where `cold`."""
     n = x.shape[1]
     row_bytes = n * a.itemsize
-    streamed = x.shape[0] <= STREAMED_TOKENS  # its tables from memory (a bigger step's rows are shared)
+    r = r0
+    if cold:
+        hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
+    while r + A_ROWS <= r1:
+        if cold and r + A_ROWS < r1:  # the next block's rows, while this one's are read
+            hint(a[s, r + A_ROWS].ctypes.data, min(A_ROWS, r1 - r - A_ROWS) * row_bytes)
+        if group:
+            dots_group_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+        else:
+            dots_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+        r += A_ROWS
+    while r < r1:
+        if group:
+            dots_group_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+        else:
+            dots_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
+        r += 1
+
+
+@numba.njit(**_KW)
+def a_block(x, a, slots, u, t0, t1, r0, r1):
+    """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
+    a time, and in a step of GROUP tokens or more a slot's tokens GROUP at a time (each row's vectors widened once
+    for the group): each (token, row) dot the same fixed-order sum however tokens and rows are grouped
+    (`_emit_dots`). A step of at most STREAMED_TOKENS reads its tables from memory: each slot's first token hints
+    its rows ahead (a bigger step's rows are shared)."""
+    streamed = x.shape[0] <= STREAMED_TOKENS
+    for tok in range(t0, t1):
+        s = slots[tok]
+        if s < 0 or s >= a.shape[0]:
+            u[tok, r0:r1] = np.float32(0.0)
+        elif t1 - t0 < GROUP:  # (a decode step's: no group, nothing to order)
+            cold = streamed and first_use(slots, t0, tok)
+            a_rows_of(x, a, s, u, r0, r1, cold, False, x[tok].ctypes.data, u[tok].ctypes.data)
+    if t1 - t0 < GROUP:
+        return
+    order, count = by_slot(slots, a.shape[0], t0, t1)
     xs, us = np.empty(GROUP, np.int64), np.empty(GROUP, np.int64)
     i = 0
     while i < count:
@@ -346,26 +386,9 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
             if group:
                 for k in range(GROUP):
                     xs[k], us[k] = x[order[i + k]].ctypes.data, u[order[i + k]].ctypes.data
-                xp, up = xs.ctypes.data, us.ctypes.data
+                a_rows_of(x, a, s, u, r0, r1, cold, True, xs.ctypes.data, us.ctypes.data)
             else:
-                xp, up = x[order[i]].ctypes.data, u[order[i]].ctypes.data
-            r = r0
-            if cold:
-                hint(a[s, r].ctypes.data, min(A_ROWS, r1 - r) * row_bytes)
-            while r + A_ROWS <= r1:
-                if cold and r + A_ROWS < r1:  # the next block's rows, while this one's are read
-                    hint(a[s, r + A_ROWS].ctypes.data, min(A_ROWS, r1 - r - A_ROWS) * row_bytes)
-                if group:
-                    dots_group_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
-                else:
-                    dots_block(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
-                r += A_ROWS
-            while r < r1:
-                if group:
-                    dots_group_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
-                else:
-                    dots_one(xp, a[s, r].ctypes.data, n, up, 4 * r, a[s, r, 0])
-                r += 1
+                a_rows_of(x, a, s, u, r0, r1, cold, False, x[order[i]].ctypes.data, u[order[i]].ctypes.data)
             cold = False  # the slot's rows are in cache now
             i += GROUP if group else 1
 
@@ -409,18 +432,24 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                 n_runs += 1
                 start = o
     stride = b.shape[2]
+    grouped = in_registers and not mixed and y.shape[0] >= GROUP
     for tok in range(y.shape[0]):  # (runs in registers store their sums: nothing else to clear)
-        if slots[tok] < 0 or slots[tok] >= n_slots or not in_registers or mixed:
+        s = slots[tok]
+        if s < 0 or s >= n_slots or not in_registers or mixed:
             y[tok, o0:o1] = np.float32(0.0)
+        if 0 <= s < n_slots and not grouped:  # (a decode step's: no group, nothing to order)
+            cold = not in_registers and first_use(slots, 0, tok)
+            token_rows(b, s, u, y[tok, o0:o1], tok, o0, o1, whole, part, runs, n_runs, in_registers, cold)
+    if not grouped:
+        return
     order, count = by_slot(slots, n_slots, 0, y.shape[0])
     ys, cs = np.empty(GROUP, np.int64), np.empty(GROUP, np.int64)
     i = 0
     while i < count:
         s = slots[order[i]]
         end = run_end(slots, order, i, count)
-        cold = not in_registers  # the slot's first token streams its rows from memory (as `a_block`'s)
         while i < end:
-            if in_registers and not mixed and end - i >= GROUP:
+            if end - i >= GROUP:
                 for k in range(GROUP):
                     ys[k], cs[k] = y[order[i + k], o0:].ctypes.data, u[order[i + k]].ctypes.data
                 src = b[s, 0, o0:].ctypes.data
@@ -433,8 +462,7 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                                      4 * p * rank, rank, n, b[s, 0, 0])
                 i += GROUP
                 continue
-            token_rows(b, s, u, y[order[i], o0:o1], order[i], o0, o1, whole, part, runs, n_runs, in_registers, cold)
-            cold = False
+            token_rows(b, s, u, y[order[i], o0:o1], order[i], o0, o1, whole, part, runs, n_runs, True, False)
             i += 1
 
 
