@@ -63,3 +63,23 @@ def test_a_tokens_result_does_not_depend_on_its_step(parts, dtype):
     for t0, t1 in ((0, 1), (5, 6), (30, 31), (199, 200), (3, 6), (28, 31)):
         alone = np.asarray(f(jnp.asarray(x[t0:t1]), jnp.asarray(slots[t0:t1])))
         np.testing.assert_array_equal(alone, whole[t0:t1])
+
+
+# a slot's tokens four at a time (`GROUP`) in both passes, with the ragged ends of every loop: 50 inputs (3 vectors
+# and 2 left over), 83 outputs (64 in registers, 16, then 3 one by one), runs of one slot and slots in turn
+@pytest.mark.parametrize("parts", [None, np.tile(np.arange(2), 42)[:83].astype(np.int32)], ids=["one", "gate_up"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_slots_tokens_grouped_give_each_tokens_bits_alone(parts, dtype):
+    rng = np.random.default_rng(5)
+    p = 1 if parts is None else 2
+    a = jnp.asarray(rng.standard_normal((L, S, p * R, 50)).astype(np.float32), dtype)
+    b = jnp.asarray(rng.standard_normal((L, S, R, 83)).astype(np.float32), dtype)
+    x = rng.standard_normal((40, 50)).astype(np.float32)
+    slots = np.r_[np.full(13, 1), np.arange(27) % S].astype(np.int32)
+    f = jax.jit(lambda x, s: lora_delta(x, a, b, jnp.int32(2), s, parts))
+    whole = np.asarray(f(jnp.asarray(x), jnp.asarray(slots)))
+    for t in range(40):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x[t:t + 1]), jnp.asarray(slots[t:t + 1])))[0],
+                                      whole[t])
+    want = reference(jnp.asarray(x), a, b, jnp.int32(2), jnp.asarray(slots), parts)
+    np.testing.assert_allclose(whole, want, rtol=2e-5, atol=2e-5)
