@@ -6,8 +6,10 @@ of a few tokens (a decode step) streams each token's B rows rank by rank, each r
 over a run of contiguous outputs (`axpy`: one stream, which reads the tables from memory faster); bigger steps sum
 every rank of 64 outputs at a time in registers (`expand`: 4 independent chains of 16-output FMAs over the ranks,
 2-2.5x the rank-by-rank loop on a 32-token step), gate/up's alternating outputs taking each rank's two coefficients
-lane by lane. Both sum each output's rank terms from zero, ranks in order, one fma each, so a token's result does
-not depend on the path, on the others or on the thread split. A token without an adapter gets exact zeros.
+lane by lane. In a step of at least GROUP tokens both passes take a slot's tokens GROUP at a time, each table
+vector widened once for the group (about twice the multiply-adds a second of token by token). Each output sums its
+rank terms from zero, ranks in order, one fma each, and each dot is one fixed chain, so a token's result does not
+depend on the path, on the grouping, on the others or on the thread split. A token without an adapter gets exact zeros.
 Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
 as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes. Each
 pass hints the rows it reads next into cache while it reads these (`hint`): a decode step's tables come from memory."""
@@ -360,8 +362,8 @@ def a_rows_of(x, a, s, u, r0, r1, cold, group, xp, up):
 @numba.njit(**_KW)
 def a_block(x, a, slots, u, t0, t1, r0, r1):
     """u[t0:t1, r0:r1] = x A[s_t]^T by A's rows r0:r1 (no adapter, or a slot past the table: zeros), A_ROWS rows at
-    a time, and in a step of GROUP tokens or more a slot's tokens GROUP at a time (each row's vectors widened once
-    for the group): each (token, row) dot the same fixed-order sum however tokens and rows are grouped
+    a time, and where t0:t1 holds GROUP tokens or more a slot's tokens GROUP at a time (each row's vectors widened
+    once for the group): each (token, row) dot the same fixed-order sum however tokens and rows are grouped
     (`_emit_dots`). A step of at most STREAMED_TOKENS reads its tables from memory: each slot's first token hints
     its rows ahead (a bigger step's rows are shared)."""
     streamed = x.shape[0] <= STREAMED_TOKENS
