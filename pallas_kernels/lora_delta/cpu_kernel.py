@@ -1,18 +1,17 @@
 """The CPU adapter-term kernel: two passes over XLA's thread pool, each reading the tables in place (no gathered
 copies). First ``u[t] = A[layer, s_t] x[t]`` by blocks of A's rows (every token of the step against the rows of its
 own slot: tokens that share an adapter read its rows from cache); then, by runs of output columns,
-``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]`` with B stored transposed ([R, out]) (`b_rows`): a step
-of a few tokens (a decode step) streams each token's B rows rank by rank, each rank's term one vector multiply-add
-over a run of contiguous outputs (`axpy`: one stream, which reads the tables from memory faster); bigger steps sum
-every rank of 64 outputs at a time in registers (`expand`: 4 independent chains of 16-output FMAs over the ranks,
-2-2.5x the rank-by-rank loop on a 32-token step), gate/up's alternating outputs taking each rank's two coefficients
-lane by lane. In a step of at least GROUP tokens both passes take a slot's tokens GROUP at a time, each table
-vector widened once for the group (about twice the multiply-adds a second of token by token). Each output sums its
-rank terms from zero, ranks in order, one fma each, and each dot is one fixed chain, so a token's result does not
-depend on the path, on the grouping, on the others or on the thread split. A token without an adapter gets exact zeros.
+``y[t, o] = sum_r u[t, part(o) R + r] B[layer, s_t, r, o]`` with B stored transposed ([R, out]) (`b_rows`), every
+rank of 64 outputs at a time in registers (`expand`: 4 independent chains of 16-output FMAs over the ranks),
+gate/up's alternating outputs taking each rank's two coefficients lane by lane. A step of a few tokens (a decode
+step, whose tables come from memory) hints the rows each pass reads next while it reads these (`hint`; the second
+pass every rank's row HINT_AHEAD outputs ahead: R streams the hardware prefetchers do not follow). In a step of at
+least GROUP tokens both passes take a slot's tokens GROUP at a time, each table vector widened once for the group
+(about twice the multiply-adds a second of token by token). Each output sums its rank terms from zero, ranks in
+order, one fma each, and each dot is one fixed chain, so a token's result does not depend on the path, on the
+grouping, on the others or on the thread split. A token without an adapter gets exact zeros.
 Tables hold float32, float16 or bfloat16 values (the engine's `lora_dtype`); 16-bit values are widened to float32
-as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes. Each
-pass hints the rows it reads next into cache while it reads these (`hint`): a decode step's tables come from memory."""
+as they are read (`pallas_kernels.cpu_ffi.widen`): a decode step streams its adapters' tables, half the bytes."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ _KW = dict(fastmath=True, nogil=True, error_model="numpy", boundscheck=False, ca
 ROWS_PER_CHUNK = 16  # the first pass's rows of A per chunk
 COLS_PER_CHUNK = 64  # the unit of the second pass's chunks (a head_dim of q/k/v's parts: a run is never cut)
 SERIAL_MACS = 1 << 16  # a pass of at most so many multiply-adds runs on the calling thread alone
-STREAMED_TOKENS = 4  # a second pass of at most so many tokens streams each token's B rows rank by rank (`b_token_rows`)
+STREAMED_TOKENS = 4  # a step of at most so many tokens reads its tables from memory: its passes hint them ahead
 ALTERNATING_COLS = 512  # the second pass's chunk unit where outputs alternate parts (gate/up)
 GROUP = 4  # tokens of one slot a pass takes at once: each table vector widened once for them all
 TOKENS_PER_CHUNK = 16  # the first pass's chunks: so many tokens x ROWS_PER_CHUNK of A's rows (a prefill's tokens
@@ -82,68 +81,14 @@ def _addresses(b, at, count):
             for i in range(count)]
 
 
-def _axpy(b, dst, src, c0, c1, n, element):
-    """dst[i] = fma(c_i, widen(src[i]), dst[i]) for i < n, _VEC at a time then one by one: c_i the float c0, or
-    where c1 is given c0 for even i and c1 for odd (gate/up's alternating outputs). One rounding per element, so a
-    result never depends on n or on where the vector part ends."""
-    size = 2 if element in (types.uint16, types.int16) else 4
-
-    def run(count, start):
-        vf, vi = ir.VectorType(_F32, count), ir.VectorType(_I32, count)
-        fma = cgutils.get_or_insert_function(b.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{count}f32")
-
-        def splat(c):
-            v = b.insert_element(ir.Constant(vf, None), c, ir.Constant(_I32, 0))
-            return b.shuffle_vector(v, ir.Constant(vf, None), ir.Constant(vi, [0] * count))
-
-        def body(i, _):
-            at = b.add(start, b.mul(i, ir.Constant(_I64, count)))
-            c = splat(c0)
-            if c1 is not None:
-                if count == 1:
-                    odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
-                    odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd,
-                                           ir.Constant(_I32, 0))
-                else:  # `at` is a multiple of _VEC: lane j's parity is j's
-                    odd = ir.Constant(ir.VectorType(ir.IntType(1), count), [j % 2 for j in range(count)])
-                c = b.select(odd, splat(c1), c)
-            d_ptr = b.inttoptr(b.add(dst, b.mul(at, ir.Constant(_I64, 4))), vf.as_pointer())
-            w = _widened(b, b.add(src, b.mul(at, ir.Constant(_I64, size))), element, count)
-            b.store(b.call(fma, [c, w, b.load(d_ptr, align=4)]), d_ptr, align=4)
-            return []
-        return body
-
-    vectors = b.sdiv(n, ir.Constant(_I64, _VEC))
-    ir_for(b, vectors, [], run(_VEC, ir.Constant(_I64, 0)))
-    done = b.mul(vectors, ir.Constant(_I64, _VEC))
-    ir_for(b, b.sub(n, done), [], run(1, done))
-
-
-@intrinsic
-def axpy(typingctx, dst, src, coef, n, element):
-    """dst[0:n] (float32 address) += coef * src[0:n] (table elements of `element`'s type from address src), each one
-    fma (`_axpy`)."""
-    def codegen(context, b, sig, args):
-        _axpy(b, args[0], args[1], args[2], None, args[3], sig.args[4])
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.float32, types.int64, element), codegen
-
-
-@intrinsic
-def axpy_alternating(typingctx, dst, src, c0, c1, n, element):
-    """`axpy` with the float c0 at even outputs and c1 at odd ones (gate/up's parts in turn)."""
-    def codegen(context, b, sig, args):
-        _axpy(b, *args[:5], sig.args[5])
-        return context.get_dummy_value()
-    return types.void(types.int64, types.int64, types.float32, types.float32, types.int64, element), codegen
-
-
-def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating):
+def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating, ahead=0):
     """ys[k][i] = sum over ranks r in order, from zero, of fma(c_r(k, i), widen(src[r * stride + i]), .) for i < n,
     each token k of a group, the rank sums of _VEC x _CHAINS outputs of every token in registers (independent FMA
     chains; each B vector widened once for the group), then _VEC, then one at a time: c_r(k, i) is the float at
     c0s[k] + 4 r or, alternating (outputs of parts 0 and 1 in turn, i = 0 a part-0 output), at c1s[k] + 4 r for
-    odd i. Each (token, output) chain is the same whatever the group."""
+    odd i. Each (token, output) chain is the same whatever the group. ahead: each step of _VEC x _CHAINS outputs
+    first hints every rank's row so many outputs further on into cache (a decode step's tables, from memory: R
+    streams the hardware prefetchers do not follow)."""
     size = 2 if element in (types.uint16, types.int16) else 4
 
     def run(count, chains, start):
@@ -157,6 +102,18 @@ def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating):
 
         def body(i, _):
             at = b.add(start, b.mul(i, ir.Constant(_I64, count * chains)))
+            if ahead and chains == _CHAINS:
+                pf = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [
+                    ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
+
+                def hint_rank(r, _):
+                    row = b.add(src, b.mul(b.add(b.add(b.mul(r, stride), at), ir.Constant(_I64, ahead)),
+                                           ir.Constant(_I64, size)))
+                    for line in range(count * chains * size // 64):
+                        b.call(pf, [b.inttoptr(b.add(row, ir.Constant(_I64, 64 * line)), ir.IntType(8).as_pointer()),
+                                    ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                    return []
+                ir_for(b, rank, [], hint_rank)
             if count == 1:
                 odd = b.trunc(b.and_(at, ir.Constant(_I64, 1)), ir.IntType(1))
                 odd = b.insert_element(ir.Constant(ir.VectorType(ir.IntType(1), 1), None), odd, ir.Constant(_I32, 0))
@@ -190,14 +147,14 @@ def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating):
         done = b.add(done, b.mul(steps, ir.Constant(_I64, count * chains)))
 
 
-def _expand_intrinsic(alternating):
+def _expand_intrinsic(alternating, ahead=0):
     @intrinsic
     def expand(typingctx, y, src, stride, c0, c1, rank, n, element):
         """y[0:n] (float32 address) = the rank terms of src (B rows of `element`'s type from address src, `stride`
         elements apart) and the coefficients at c0 (and c1: `_expand`), summed in registers."""
         def codegen(context, b, sig, args):
             y, src, stride, c0, c1, rank, n = args[:7]
-            _expand(b, [y], src, stride, [c0], [c1], rank, n, sig.args[7], alternating)
+            _expand(b, [y], src, stride, [c0], [c1], rank, n, sig.args[7], alternating, ahead)
             return context.get_dummy_value()
         return types.void(*[types.int64] * 7, element), codegen
     return expand
@@ -220,6 +177,8 @@ def _expand_group_intrinsic(alternating):
 
 
 expand, expand_alternating = _expand_intrinsic(False), _expand_intrinsic(True)
+HINT_AHEAD = 2 * _VEC * _CHAINS  # outputs a streamed `expand` hints its rows ahead
+expand_hinted, expand_hinted_alternating = _expand_intrinsic(False, HINT_AHEAD), _expand_intrinsic(True, HINT_AHEAD)
 expand_group, expand_group_alternating = _expand_group_intrinsic(False), _expand_group_intrinsic(True)
 
 
@@ -396,15 +355,13 @@ def a_block(x, a, slots, u, t0, t1, r0, r1):
 
 
 @numba.njit(**_KW)
-def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=False):
-    """y[:, o0:o1] token by token, over runs of outputs of one part (a row of o or down is one run, q/k/v's a run
-    per head group and part) or, for gate/up's alternating outputs, the block whole (`axpy_alternating`,
-    `expand_alternating`: each lane's coefficient by its parity).
-    in_registers: each run's rank sums in registers (`expand`: R streams at once, for tables in cache), a slot's
-    tokens GROUP at a time (`expand_group`: each B vector widened once for the group); otherwise rank by rank, the
-    token's B rows read once each, front to back, one stream (what the prefetchers follow when a decode step reads
-    the tables from memory). Either way each output sums its rank terms from zero, ranks in order, one fma each (a
-    run of mixed parts, each output its own coefficient, in numba's loop)."""
+def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, streamed=True):
+    """y[:, o0:o1], each run of outputs of one part (a row of o or down is one run, q/k/v's a run per head group and
+    part) or, for gate/up's alternating outputs, the block whole, by `expand` (`expand_alternating`: each lane's
+    coefficient by its parity). streamed: the step's tables come from memory (a decode step's): each slot's first
+    token hints its rows ahead (`token_rows`); otherwise a slot's tokens go GROUP at a time where they can
+    (`expand_group`: each B vector widened once for the group). Each output sums its rank terms from zero, ranks in
+    order, one fma each (a run of mixed parts, each output its own coefficient, in numba's loop)."""
     n_slots, rank = b.shape[0], b.shape[1]
     out = o1 - o0
     whole = alternating and o0 % 2 == 0  # gate, up, ...: lanes by parity (a block from an odd output: listed)
@@ -434,14 +391,14 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                 n_runs += 1
                 start = o
     stride = b.shape[2]
-    grouped = in_registers and not mixed and y.shape[0] >= GROUP
+    grouped = not streamed and not mixed and y.shape[0] >= GROUP
     for tok in range(y.shape[0]):  # (runs in registers store their sums: nothing else to clear)
         s = slots[tok]
-        if s < 0 or s >= n_slots or not in_registers or mixed:
+        if s < 0 or s >= n_slots or mixed:
             y[tok, o0:o1] = np.float32(0.0)
         if 0 <= s < n_slots and not grouped:  # (a decode step's: no group, nothing to order)
-            cold = not in_registers and first_use(slots, 0, tok)
-            token_rows(b, s, u, y[tok, o0:o1], tok, o0, o1, whole, part, runs, n_runs, in_registers, cold)
+            cold = streamed and first_use(slots, 0, tok)
+            token_rows(b, s, u, y[tok, o0:o1], tok, o0, o1, whole, part, runs, n_runs, cold)
     if not grouped:
         return
     order, count = by_slot(slots, n_slots, 0, y.shape[0])
@@ -464,48 +421,46 @@ def b_token_rows(b, parts_p, alternating, slots, u, y, o0, o1, in_registers=Fals
                                      4 * p * rank, rank, n, b[s, 0, 0])
                 i += GROUP
                 continue
-            token_rows(b, s, u, y[order[i], o0:o1], order[i], o0, o1, whole, part, runs, n_runs, True, False)
+            token_rows(b, s, u, y[order[i], o0:o1], order[i], o0, o1, whole, part, runs, n_runs, False)
             i += 1
 
 
 @numba.njit(inline="always", **_KW)
-def token_rows(b, s, u, row, tok, o0, o1, whole, part, runs, n_runs, in_registers, cold):
-    """`b_token_rows` for one token (`row` its outputs o0:o1), of slot s: its B rows hinted rank by rank where
-    `cold` (streamed, the slot's first token)."""
+def token_rows(b, s, u, row, tok, o0, o1, whole, part, runs, n_runs, cold):
+    """`b_token_rows` for one token (`row` its outputs o0:o1) of slot s; where `cold` (streamed, the slot's first
+    token) the rows hinted ahead: the first HINT_AHEAD outputs of every rank's row now, the rest as the runs go."""
     rank, stride, out = b.shape[1], b.shape[2], o1 - o0
-    if in_registers:
-        bt = b[s, 0, o0:o1]
-        if whole:
+    bt = b[s, 0, o0:o1]
+    if cold:
+        for r in range(rank):
+            hint(b[s, r, o0:].ctypes.data, min(out, HINT_AHEAD) * b.itemsize)
+    if whole:
+        if cold:
+            expand_hinted_alternating(row.ctypes.data, bt.ctypes.data, stride, u[tok, :rank].ctypes.data,
+                                      u[tok, rank:].ctypes.data, rank, out, bt[0])
+        else:
             expand_alternating(row.ctypes.data, bt.ctypes.data, stride, u[tok, :rank].ctypes.data,
                                u[tok, rank:].ctypes.data, rank, out, bt[0])
-            return
-        mixed = False
-        for k in range(n_runs):
-            start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
-            if p >= 0:
-                expand(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
-                       u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
-            else:
-                mixed = True
-        if not mixed:
-            return
-    if cold:
-        hint(b[s, 0, o0:o1].ctypes.data, out * b.itemsize)
-    for r in range(rank):
+        return
+    mixed = False
+    for k in range(n_runs):
+        start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
+        if p < 0:
+            mixed = True
+        elif cold:
+            expand_hinted(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
+                          u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
+        else:
+            expand(row.ctypes.data + 4 * start, bt.ctypes.data + bt.itemsize * start, stride,
+                   u[tok, p * rank:].ctypes.data, 0, rank, n, bt[0])
+    if not mixed:
+        return
+    for r in range(rank):  # runs of mixed parts: each output its own coefficient, summed into the cleared row
         bt = b[s, r, o0:o1]
-        if cold and r + 1 < rank:  # the next rank's row, while this one's is read
-            hint(b[s, r + 1, o0:o1].ctypes.data, out * b.itemsize)
-        if whole:
-            axpy_alternating(row.ctypes.data, bt.ctypes.data, u[tok, r], u[tok, rank + r], out, bt[0])
-            continue
         for k in range(n_runs):
             start, n, p = runs[k, 0], runs[k, 1], runs[k, 2]
-            row_k = row[start:start + n]
-            bt_k = bt[start:start + n]
-            if p >= 0 and not in_registers:
-                axpy(row_k.ctypes.data, bt_k.ctypes.data, u[tok, p * rank + r], n, bt_k[0])
-            elif p < 0:
-                part_k = part[start:start + n]
+            if p < 0:
+                row_k, bt_k, part_k = row[start:start + n], bt[start:start + n], part[start:start + n]
                 for o in range(n):
                     row_k[o] += u[tok, part_k[o] * rank + r] * widen(bt_k[o])
 
@@ -543,14 +498,13 @@ def a_rows(words, chunk, table_type):
 
 @numba.njit(**_KW)
 def b_rows(words, chunk, table_type):
-    """The second pass's chunk: a block of outputs for every token (their rank sums in registers past
-    STREAMED_TOKENS tokens, each token's B rows streamed up to it)."""
+    """The second pass's chunk: a block of outputs for every token (up to STREAMED_TOKENS tokens, the rows hinted
+    ahead; past it, a slot's tokens in groups)."""
     _, _, b, parts_p, slots, u, y = _arrays(words, table_type)
     alternating = load64(words + 104) != 0
     per = load64(words + 112)  # outputs a chunk
     o0 = chunk * per
-    b_token_rows(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + per),
-                    y.shape[0] > STREAMED_TOKENS)
+    b_token_rows(b, parts_p, alternating, slots, u, y, o0, min(y.shape[1], o0 + per), y.shape[0] <= STREAMED_TOKENS)
 
 
 @numba.cfunc(types.void(types.int64, types.int64), cache=True)
@@ -634,7 +588,7 @@ def _run(frame, table_type, itemsize, a_chunk, b_chunk):
         token_blocks = (t + TOKENS_PER_CHUNK - 1) // TOKENS_PER_CHUNK
         launch(frame, words, token_blocks * ((w + ROWS_PER_CHUNK - 1) // ROWS_PER_CHUNK), a_chunk, True)
     if t * o * rank <= SERIAL_MACS:
-        b_token_rows(b, parts_p, alternating, slots, u, y, 0, o, t > STREAMED_TOKENS)
+        b_token_rows(b, parts_p, alternating, slots, u, y, 0, o, t <= STREAMED_TOKENS)
     else:
         launch(frame, words, (o + per - 1) // per, b_chunk, True)
 
