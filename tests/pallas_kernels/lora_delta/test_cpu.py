@@ -44,8 +44,9 @@ def test_kernel_equals_reference(parts, tokens, dtype):
         assert not np.asarray(got)[np.asarray(slots) < 0].any()  # no adapter: exact zeros
 
 
-# the second pass's three ways: streamed on the calling thread (one token), streamed on the pool (three tokens of
-# 4096 outputs), by blocks on the pool (the whole step); outputs whose blocks mix parts, alternate, or hold one part
+# the second pass's three ways: rows hinted ahead on the calling thread (one token), hinted on the pool (three
+# tokens of 4096 outputs), a slot's tokens in groups on the pool (the whole step); outputs whose blocks mix parts,
+# alternate, or hold one part
 @pytest.mark.parametrize("parts", [np.tile(np.arange(2), 40).astype(np.int32),
                                    np.tile(np.arange(2), 2048).astype(np.int32),
                                    np.tile(np.r_[np.zeros(64), np.ones(32), np.full(32, 2)], 3).astype(np.int32),
