@@ -165,15 +165,20 @@ def call_clock(typingctx, fn):
     return types.int64(types.int64), codegen
 
 
+def ir_prefetch(b, addr, locality: int) -> None:
+    """A read hint for the cache line at the i64 address `addr` (never faults): locality 3 into every level, 2 into
+    L2 and below (`prefetch`, `prefetch_l2`)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    b.call(fn, [b.inttoptr(addr, i8p), ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+
+
 def _prefetch(locality: int):
     @intrinsic
     def prefetch(typingctx, addr):
         def codegen(context, builder, sig, args):
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
-            read, keep, data_cache = ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)
-            builder.call(fn, [builder.inttoptr(args[0], i8p), read, keep, data_cache])
+            ir_prefetch(builder, args[0], locality)
             return context.get_dummy_value()
         return types.void(types.int64), codegen
     return prefetch

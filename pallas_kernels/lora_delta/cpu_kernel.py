@@ -36,6 +36,7 @@ from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     export_symbol,
     ir_for,
     ir_hsum,
+    ir_prefetch,
     is_execute,
     launch,
     load32,
@@ -103,15 +104,11 @@ def _expand(b, ys, src, stride, c0s, c1s, rank, n, element, alternating, ahead=0
         def body(i, _):
             at = b.add(start, b.mul(i, ir.Constant(_I64, count * chains)))
             if ahead and chains == _CHAINS:
-                pf = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [
-                    ir.IntType(8).as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0")
-
                 def hint_rank(r, _):
                     row = b.add(src, b.mul(b.add(b.add(b.mul(r, stride), at), ir.Constant(_I64, ahead)),
                                            ir.Constant(_I64, size)))
                     for line in range(count * chains * size // 64):
-                        b.call(pf, [b.inttoptr(b.add(row, ir.Constant(_I64, 64 * line)), ir.IntType(8).as_pointer()),
-                                    ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                        ir_prefetch(b, b.add(row, ir.Constant(_I64, 64 * line)), 3)
                     return []
                 ir_for(b, rank, [], hint_rank)
             if count == 1:

@@ -27,6 +27,7 @@ drop_stale_cache(__file__)
 from pallas_kernels.cpu_ffi import (  # noqa: E402 (after the stale-cache check)
     ir_fma16,
     ir_for,
+    ir_prefetch,
     load64,
     stable_key,
 )
@@ -46,7 +47,7 @@ from pallas_kernels.quantized_matmul.cpu_int8_kernel import (  # noqa: E402
 from pallas_kernels.quantized_matmul.interleave import ROWS  # noqa: E402
 
 _F32, _HALF = ir.FloatType(), ir.HalfType()
-_I8, _I32 = ir.IntType(8), ir.IntType(32)
+_I32 = ir.IntType(32)
 _V = ir.VectorType(_F32, 16)
 _VI = ir.VectorType(_I32, 16)
 
@@ -73,10 +74,8 @@ def _emit_pass(b, bits, half, off_mode, m, args):
         w_at = b.add(data, b.mul(blk, _c(64 * words)))
         with b.if_then(b.icmp_signed("!=", ahead, _c(0))):  # a first pass: the next group's block, into L2
             nxt = b.add(ahead, b.mul(blk, _c(64 * words)))
-            fn = _fn(b, "llvm.prefetch.p0", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
             for line in range(words):
-                b.call(fn, [_ptr(b, nxt, _I8, 64 * line), ir.Constant(_I32, 0), ir.Constant(_I32, 2),
-                            ir.Constant(_I32, 1)])
+                ir_prefetch(b, b.add(nxt, _c(64 * line)), 2)
         if bits == 4:
             nibble = ir.Constant(_VI, [0x0F0F0F0F] * 16)
             raw = [_load(b, w_at, _VI, 64 * i, align=64) for i in range(4)]
