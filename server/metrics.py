@@ -49,7 +49,10 @@ class EngineCollector:
         if "spec_decode_num_drafts_total" in s:  # speculative decoding (vLLM's spec_decode metrics)
             for key, doc in (("num_drafts", "Sequence steps that verified drafts."),
                              ("num_draft_tokens", "Draft tokens proposed."),
-                             ("num_accepted_tokens", "Draft tokens the target accepted.")):
+                             ("num_accepted_tokens", "Draft tokens the target accepted."),
+                             ("num_guessed_steps", "Drafted steps dispatched before the step they follow was read "
+                              "back, on a guess of its tokens."),
+                             ("num_guessed_steps_held", "Guessed steps whose guess held (the others were dropped).")):
                 yield counter(f"jaxllm_spec_decode_{key}", doc, s[f"spec_decode_{key}_total"])
             per_pos = CounterMetricFamily("jaxllm_spec_decode_num_accepted_tokens_per_pos",
                                           "Draft tokens accepted, by draft position.",

@@ -85,6 +85,7 @@ class LLMEngine:
             self._warmup(parts)
         self._leader = None
         self._ahead = None  # a decode step dispatched ahead of the step() call that reads it back
+        self._guessed = None  # when that step is a guess (`_guess_ahead`): per sequence, what it must hold
         if config.num_hosts > 1 and config.host_rank == 0:
             self._lead_followers()
 
@@ -231,7 +232,8 @@ class LLMEngine:
         its successor (the same sequences, one more token each) dispatched before its own tokens are read back:
         the device computes it while this call turns the tokens into outputs, and the next call reads it back. A
         sequence that finished (or was aborted) meanwhile has that extra token dropped; its pages are free already,
-        and the token's KV slot lies past anything the prefix cache registered."""
+        and the token's KV slot lies past anything the prefix cache registered. A drafted step has its successor
+        dispatched on a guess instead (`_guess_ahead`), dropped unless the guess holds."""
         timed = self.drafter is not None and self.drafter.budget is not None
         begun = dispatched = None  # a step dispatched with none in flight: the draft budget times it
         if self._ahead is not None:
@@ -249,11 +251,15 @@ class LLMEngine:
             pending = self.runner.dispatch(step)
         if self._may_look_ahead(pending.step) and (nxt := self.scheduler.lookahead(pending.step)) is not None:
             self._ahead = self.runner.dispatch(nxt, after=pending)
+        else:
+            self._guess_ahead(pending.step)
         result = self.runner.collect(pending)
-        if dispatched is None:
-            return self._update(pending.step, result)
         collected = time.perf_counter()
         outputs = self._update(pending.step, result)
+        if self._guessed is not None:
+            self._check_guess()
+        if dispatched is None:
+            return outputs
         host = dispatched - begun + time.perf_counter() - collected
         self.drafter.step_took(pending.bucket, collected - dispatched, host, any(pending.step.drafts))
         return outputs
@@ -278,6 +284,48 @@ class LLMEngine:
             going_on |= (p.max_tokens is None or seq.num_output_tokens + 1 < p.max_tokens) and \
                 seq.num_tokens + 1 < self.max_model_len
         return going_on
+
+    def _guess_ahead(self, step) -> None:
+        """Dispatches the drafted step that follows `step` (drafted, in flight) on the guess that it keeps every
+        draft and samples the token the method expects (`Drafter.guess`): its ids are host-known, so it runs
+        before `step` is read back, and the host's work between the two (reading back, verifying, proposing,
+        building the next inputs) overlaps the device's. It is exactly the step the engine would run after
+        `step` if the guess holds (`_check_guess`); otherwise its results are dropped, having cost its device
+        time, and its KV writes lie past every sequence's progress."""
+        if self.drafter is None or not self.config.async_scheduling or self._leader is not None or \
+                len(step.seqs) != len(self.scheduler.running):  # none left out: a chain of guesses would starve it
+            return
+        guessed = self.drafter.guess(step)
+        if guessed is None or any(self._ends(seq, gain) for seq, (gain, _) in zip(step.seqs, guessed, strict=True)):
+            return
+        try:
+            self.runner.bucket_for(sum(1 + len(d) for _, d in guessed), len(step.seqs))
+        except ValueError:
+            return
+        nxt = self.scheduler.lookahead_guessed(step, guessed)
+        if nxt is None:
+            return
+        self._ahead = self.runner.dispatch(nxt, assumed=[gain for gain, _ in guessed])
+        self._guessed = [(seq, seq.num_tokens + len(gain), gain[-1])
+                         for seq, (gain, _) in zip(step.seqs, guessed, strict=True)]
+        self.drafter.stats.num_guessed_steps += 1
+
+    def _ends(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Whether one of `tokens` would end `seq` by its id (EOS, a stop token: a guess that the sequence goes on
+        past it is wasted)."""
+        p = seq.params
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        return not stops.isdisjoint(tokens)
+
+    def _check_guess(self) -> None:
+        """After the guessed step's predecessor was read back: each sequence has the tokens guessed (every draft
+        kept, the guessed token sampled), or the guessed step is dropped."""
+        guessed, self._guessed = self._guessed, None
+        if all(not seq.finished and seq.num_tokens == n and seq.token_ids[-1] == last for seq, n, last in guessed):
+            self.drafter.stats.num_guessed_steps_held += 1
+            return
+        self.scheduler.drop_guessed(self._ahead.step)
+        self._ahead = None
 
     def _update(self, step, result: StepResult) -> list[RequestOutput]:
         pooled: list[Request] = []

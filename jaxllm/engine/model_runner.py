@@ -287,13 +287,15 @@ class ModelRunner:
         return self.collect(self.dispatch(step, bucket))
 
     def dispatch(self, step: ScheduledStep, bucket: tuple[int, int] | None = None,
-                 after: PendingStep | None = None) -> PendingStep:
+                 after: PendingStep | None = None, assumed: list[list[int]] | None = None) -> PendingStep:
         """Starts `step` on the device and returns without waiting for it. after: a step dispatched before, not read
         back yet, whose sequences this step decodes once more (one token each, in the same order): its tokens, on
-        the device, are this step's ids, and every sequence is one token further than its host state says."""
+        the device, are this step's ids, and every sequence is one token further than its host state says.
+        assumed: per sequence, the tokens it is taken to have beyond its host state (a guessed step's; the host
+        knows its ids)."""
         bucket = bucket or (after.bucket if after is not None else self.bucket_for(step.num_tokens, len(step.seqs)))
         built = self.inputs.build(step, bucket, self._image_embeds(step) if self.multimodal and step else None,
-                                  ahead=int(after is not None))
+                                  ahead=int(after is not None), assumed=assumed)
         inputs = built.inputs if after is None else dataclasses.replace(built.inputs, ids=after.next_ids)
         if self._leader is not None:
             self._leader.publish(self._codec, bucket, jax.tree.leaves(inputs))

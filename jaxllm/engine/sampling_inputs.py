@@ -40,10 +40,11 @@ class SamplingInputs:
             ("history", self.no_history[s]), ("bias_ids", self.no_bias[s][0]),
             ("bias_values", self.no_bias[s][1]), ("mask", self.no_mask[s]))}
 
-    def build(self, rows: list[Sequence], s: int, ahead: int = 0) -> SamplingTensors:
+    def build(self, rows: list[Sequence], s: int, ahead: int | list[int] = 0) -> SamplingTensors:
         """rows: the sequences that get a token, in row order, padded to `s` rows; ahead: tokens each has beyond
-        its host state (a step dispatched before the previous one's tokens were read back)."""
+        its host state (a step dispatched before the previous one's tokens were read back), or per row."""
         n = len(rows)
+        ahead = [ahead] * n if isinstance(ahead, int) else ahead
         params = [seq.params for seq in rows]
 
         def column(values, dtype, fill=0) -> np.ndarray:  # a field of every row, padded to s (one C-level fill)
@@ -62,7 +63,7 @@ class SamplingInputs:
         seeds[:n, 0] = [x % UINT32 for x in seed]
         seeds[:n, 1] = [x // UINT32 for x in seed]
         choices = column([seq.index for seq in rows], np.int32)
-        outputs = [seq.num_output_tokens + ahead for seq in rows]
+        outputs = [seq.num_output_tokens + a for seq, a in zip(rows, ahead, strict=True)]
         steps = column(outputs, np.int32)
         num_prompt = column([seq.num_prompt_tokens for seq in rows], np.int32)
         any_penalty = any(p.uses_penalties for p in params)
@@ -92,13 +93,13 @@ class SamplingInputs:
                 history[i, :seq.num_tokens] = seq.token_ids
         return history
 
-    def _bias(self, rows: list[Sequence], s: int, ahead: int) -> tuple[np.ndarray, np.ndarray]:
+    def _bias(self, rows: list[Sequence], s: int, ahead: list[int]) -> tuple[np.ndarray, np.ndarray]:
         bias_ids = np.full((s, self.bias_width), -1, np.int32)
         bias_values = np.zeros((s, self.bias_width), np.float32)
         for i, seq in enumerate(rows):
             p = seq.params
             entries = dict(p.logit_bias or {})
-            if seq.num_output_tokens + ahead < p.min_tokens:
+            if seq.num_output_tokens + ahead[i] < p.min_tokens:
                 banned = p.stop_token_ids + (() if p.ignore_eos else self.eos_token_ids)
                 entries.update(dict.fromkeys(banned, -np.inf))
             entries = {int(k): v for k, v in entries.items() if 0 <= int(k) < self.vocab_size}

@@ -189,6 +189,33 @@ class Scheduler:
             self.bm.grow(seq, seq.num_computed_tokens + 2)
         return ScheduledStep(list(step.seqs), [1] * len(step.seqs), drafts=[[] for _ in step.seqs])
 
+    def lookahead_guessed(self, step: ScheduledStep, guessed: list[tuple[list[int], list[int]]]
+                          ) -> ScheduledStep | None:
+        """The drafted step that follows `step` (drafted, not read back yet) for the same sequences if `step` yields
+        what `guessed` says: per sequence, the tokens it is taken to gain, and the drafts after them. Its ids are
+        the last of those tokens and the drafts; None as `lookahead`, or past the token budget. Grows the pages
+        now (`drop_guessed` gives them back if the guess fails)."""
+        if self.waiting or not step.seqs:
+            return None
+        if sum(1 + len(d) for _, d in guessed) > self.max_num_batched_tokens:
+            return None
+        ends = {q: q.num_computed_tokens + len(gain) + 1 + len(d) for q, (gain, d) in zip(step.seqs, guessed,
+                                                                                            strict=True)}
+        if sum(max(0, self.bm.pages_needed(end) - len(q.block_table)) for q, end in ends.items()) > \
+                self.bm.num_free_pages:
+            return None
+        for seq, end in ends.items():
+            self.bm.grow(seq, end)
+        return ScheduledStep(list(step.seqs), [1 + len(d) for _, d in guessed], drafts=[d for _, d in guessed])
+
+    def drop_guessed(self, step: ScheduledStep) -> None:
+        """A guessed step (`lookahead_guessed`) whose guess failed: its results are not used, and its sequences
+        keep the pages their progress needs (its KV writes lie past that progress, and are rewritten before
+        anything reads them)."""
+        for seq in step.seqs:
+            if not seq.finished:
+                self.bm.truncate(seq, seq.num_computed_tokens)
+
     def update_from_output(self, step: ScheduledStep, rejected: list[int] | None = None) -> list[int | None]:
         """Advances each sequence of the step that ran by the tokens it computed, less its `rejected` drafts (their
         KV slots are rolled back), and registers its pages that became full in the prefix cache: with admission

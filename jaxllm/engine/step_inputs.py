@@ -70,9 +70,11 @@ class StepInputBuilder:
         return self.sampling.constants | {f"prompt_targets/{t}": a for t, a in self.no_prompt_targets.items()}
 
     def build(self, step: ScheduledStep, bucket: tuple[int, int], embeds: dict[bytes, np.ndarray] | None = None,
-              ahead: int = 0) -> BuiltInputs:
+              ahead: int = 0, assumed: list[list[int]] | None = None) -> BuiltInputs:
         """embeds: a vision-language model's image embeddings by image hash; ahead: tokens each sequence has
-        beyond its host state (a step dispatched after one not read back yet; its ids come from the device)."""
+        beyond its host state (a step dispatched after one not read back yet; its ids come from the device);
+        assumed: instead, per sequence, the tokens it has beyond its host state, known to the host (a step
+        dispatched on a guess of what the one before it yields: `jaxllm.speculative.guess`)."""
         t, s = bucket
         ids = np.zeros(t, np.int32)
         positions = np.zeros((3, t) if self.mrope else t, np.int32)
@@ -85,13 +87,17 @@ class StepInputBuilder:
         starts: list[int] = []
         lora = np.full(t, -1, np.int32) if self.lora else None
         at = num_samples = 0
-        for seq, n, drafted in zip(step.seqs, step.num_new_tokens, drafts, strict=True):
+        known = assumed is not None or not ahead  # the host knows the step's ids
+        gains = [len(a) for a in assumed] if assumed is not None else [ahead] * len(step.seqs)
+        row_gains: list[int] = []  # of the sequences that sample, in row order
+        for i, (seq, n, drafted, gain) in enumerate(zip(step.seqs, step.num_new_tokens, drafts, gains, strict=True)):
             if lora is not None and seq.lora_slot is not None:
                 lora[at:at + n] = seq.lora_slot
-            start = seq.num_computed_tokens + ahead
+            start = seq.num_computed_tokens + gain
             starts.append(start)
-            if not ahead:
-                tokens += seq.token_ids[start:start + n - len(drafted)]
+            if known:
+                history = seq.token_ids + assumed[i] if gain else seq.token_ids
+                tokens += history[start:start + n - len(drafted)]
                 tokens += drafted
             if self.mrope:  # positions per sequence: its images' rows, or its text's on all three axes
                 mm = seq.request.mm
@@ -106,12 +112,13 @@ class StepInputBuilder:
                     positions[:, at:at + n] = np.arange(start, start + n)
             at += n
             # the chunk reaches the end (its drafts included): sample
-            if start + n == seq.num_tokens + ahead + len(drafted) and seq.pooled is None:
+            if start + n == seq.num_tokens + gain + len(drafted) and seq.pooled is None:
                 logit_rows[len(rows)] = at - 1 - len(drafted)
                 rows.append(seq)
+                row_gains.append(gain)
                 samples.append((num_samples, drafted))
                 num_samples += 1 + len(drafted)
-        if not ahead:
+        if known:
             ids[:at] = tokens
         if not self.mrope:  # one array operation over the step, not a numpy call per sequence
             q = np.fromiter(step.num_new_tokens, np.int64, len(starts))
@@ -122,7 +129,7 @@ class StepInputBuilder:
             context_lens=[a + n for a, n in zip(starts, step.num_new_tokens, strict=True)],
             block_tables=[q.block_table for q in step.seqs], page_size=self.page_size, num_tokens=t,
             num_seqs=s, max_pages_per_seq=self.max_pages_per_seq)
-        if not ahead and any(q.request.prompt_logprobs is not None for q in step.seqs):
+        if not any(gains) and any(q.request.prompt_logprobs is not None for q in step.seqs):
             targets, spans = prompt_logprobs.targets(step.seqs, step.num_new_tokens, t)
         else:  # nothing to score (every decode step): the device-resident constant, no transfer
             targets, spans = self.no_prompt_targets[t], []
@@ -132,7 +139,7 @@ class StepInputBuilder:
         spec = None
         if self.sample_positions > 1:
             spec = self._spec_rows(t, s, logit_rows, samples if speculative else [])
-        inputs = StepInputs(ids, positions, meta, logit_rows, self.sampling.build(rows, s, ahead), targets, images,
+        inputs = StepInputs(ids, positions, meta, logit_rows, self.sampling.build(rows, s, row_gains), targets, images,
                             spec, lora)
         return BuiltInputs(inputs, rows, spans, samples if speculative else None)
 

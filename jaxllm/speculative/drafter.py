@@ -33,6 +33,7 @@ class Drafter:
         # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
         # kept or not, and a sequence whose drafts fail (its output stopped quoting) should try few of them.
         self.caps: dict[int, int] = {}
+        self.missed: set[int] = set()  # sequences whose last drafted step rejected a draft (no guesses: `guess`)
         # What was kept of each sequence's drafts and of all of them (`draft_budget`'s rates); the budget itself
         # once the steps are timed (`calibrate`)
         self.keep_rates: dict[int, KeepRate] = {}
@@ -56,6 +57,7 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
+        self.missed &= {seq.seq_id for seq in running}
         if self.budget is not None:
             self.keep_rates = {seq.seq_id: r for seq in running if (r := self.keep_rates.get(seq.seq_id)) is not None}
         self.proposer.begin(running)
@@ -70,6 +72,33 @@ class Drafter:
     def fill(self, step: ScheduledStep) -> None:
         """The scheduled step's drafts made final (a draft model computes them now that they have pages)."""
         self.proposer.fill(step)
+
+    def guess(self, step: ScheduledStep) -> list[tuple[list[int], list[int]]] | None:
+        """For `step`, drafted and in flight: per sequence, the tokens it gains if the target keeps every draft and
+        adds the token the method guesses next, and the drafts `propose` would then give it: the step after,
+        dispatched before `step` is read back (async scheduling), runs exactly as it would have had it waited
+        whenever the guess holds (`jaxllm.engine.llm_engine`). None where a guess is not worth a step (one that
+        fails costs a step's device time; one that holds saves the host's work between steps): some sequence did
+        not draft, did not keep all of its drafts the step before, has no guess or no room after it; the method
+        cannot guess (it runs a model); the draft budget chooses drafts by timing steps one at a time."""
+        limit = self.config.disable_by_batch_size
+        if self.budget is not None or not step.seqs or not all(step.drafts) or \
+                (limit is not None and len(step.seqs) >= limit):
+            return None
+        out = []
+        for seq, drafted in zip(step.seqs, step.drafts, strict=True):
+            if seq.seq_id in self.missed or not self._may_draft(seq):
+                return None
+            nxt = self.proposer.propose_after(seq, drafted, 1)
+            if not nxt:
+                return None
+            gained = drafted + nxt
+            room = self._room(seq, len(gained))
+            drafts = self.proposer.propose_after(seq, gained, room) if room > 0 else None
+            if not drafts:
+                return None
+            out.append((gained, drafts))
+        return out
 
     def worth_waiting(self, seqs: list[Sequence]) -> bool:
         """Whether the next step of `seqs` should wait for this one's tokens, to draft from them, rather than be
@@ -102,6 +131,7 @@ class Drafter:
                     self.keep_rates.setdefault(seq.seq_id, KeepRate()).observe(len(drafted), kept)
                     self.pooled.observe(len(drafted), kept)
                 self.caps[seq.seq_id] = k if lost == 0 else max(1, 2 * kept)
+                (self.missed.discard if lost == 0 else self.missed.add)(seq.seq_id)
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:
@@ -109,10 +139,12 @@ class Drafter:
         return (seq.num_computed_tokens + 1 == seq.num_tokens and not seq.finished and seq.pooled is None
                 and seq.matcher is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens)
 
-    def _room(self, seq: Sequence) -> int:
-        """Drafts that can still be used: each kept one is an output token, and the target adds one of its own."""
+    def _room(self, seq: Sequence, gained: int = 0) -> int:
+        """Drafts that can still be used: each kept one is an output token, and the target adds one of its own
+        (gained: tokens the sequence is taken to have beyond its host state, whose drafts were all kept)."""
         p = seq.params
-        room = self.caps.get(seq.seq_id, self.config.num_speculative_tokens)
+        room = self.config.num_speculative_tokens if gained else self.caps.get(seq.seq_id,
+                                                                              self.config.num_speculative_tokens)
         if p.max_tokens is not None:
-            room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-        return min(room, self.max_model_len - seq.num_tokens - 1)
+            room = min(room, p.max_tokens - seq.num_output_tokens - gained - 1)
+        return min(room, self.max_model_len - seq.num_tokens - gained - 1)

@@ -47,6 +47,11 @@ class Proposer:
         when there is no good guess."""
         raise NotImplementedError
 
+    def propose_after(self, seq: Sequence, gained: list[int], max_drafts: int) -> list[int] | None:
+        """`propose` for `seq` had it `gained` these tokens more, on the host and at once (a step dispatched before
+        the one it follows is read back: `Drafter.guess`); None: the method cannot (it runs a model)."""
+        return None
+
     def fill(self, step: ScheduledStep) -> None:
         """The step's drafts (`step.drafts`, as scheduled) made final, in place."""
 

@@ -24,6 +24,9 @@ class NgramProposer(Proposer):
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         return self.lookup(seq.token_ids, max_drafts)
 
+    def propose_after(self, seq: Sequence, gained: list[int], max_drafts: int) -> list[int]:
+        return self.lookup(seq.token_ids + gained, max_drafts)
+
     def worth_waiting(self, seq: Sequence) -> bool:
         """The sequence is quoting: given its tokens but the last, the lookup would have proposed its last token
         (so drafts after the next token will likely be kept too). Otherwise running ahead saves more than drafts

@@ -32,6 +32,10 @@ class SpecDecodeStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+    # jaxllm's own: drafted steps dispatched on a guess of the step before's tokens (`Drafter.guess`), and those
+    # whose guess held (the others' results were dropped)
+    num_guessed_steps: int = 0
+    num_guessed_steps_held: int = 0
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         if num_drafted == 0:
@@ -49,7 +53,9 @@ class SpecDecodeStats:
         return {"spec_decode_num_drafts_total": self.num_drafts,
                 "spec_decode_num_draft_tokens_total": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens_total": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_num_guessed_steps_total": self.num_guessed_steps,
+                "spec_decode_num_guessed_steps_held_total": self.num_guessed_steps_held}
 
     @property
     def acceptance_rate(self) -> float:

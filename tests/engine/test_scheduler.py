@@ -158,3 +158,25 @@ def test_no_page_leaks_after_1000_random_requests():
     assert all(s.status == SequenceStatus.FINISHED for r in requests for s in r.seqs)
     assert bm.num_free_pages == 96 and all(c == 0 for c in bm.ref_counts)
     assert bm.prefix_hits > 0 and sched.num_preemptions > 0
+
+
+def test_a_guessed_step_grows_pages_past_the_one_in_flight_and_gives_them_back():
+    bm = BlockManager(16, PAGE)
+    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=16)
+    request = make_request(1, list(range(10)), max_tokens=40)
+    seq = request.seqs[0]
+    sched.add(seq)
+    run_step(sched, bm)  # the prompt: 10 computed, a token appended
+    seq.drafts = [1, 2, 3]
+    step = sched.schedule()
+    assert step.num_new_tokens == [4] and len(seq.block_table) == 4  # 14 tokens' KV: 4 pages
+    assert sched.lookahead_guessed(step, [([1, 2, 3, 4], list(range(16)))]) is None  # past the token budget
+    assert len(seq.block_table) == 4
+    guessed = sched.lookahead_guessed(step, [([1, 2, 3, 4], [5, 6])])  # 10 + 4 gained, then 4 and 2 drafts
+    assert guessed.num_new_tokens == [3] and guessed.drafts == [[5, 6]]
+    assert len(seq.block_table) == 5 and seq.num_computed_tokens == 10  # 17 tokens' KV: 5 pages; progress as was
+    sched.update_from_output(step, rejected=[2])  # the step kept one draft: the guess failed
+    sched.drop_guessed(guessed)
+    assert seq.num_computed_tokens == 12 and len(seq.block_table) == 3
+    sched.finish(seq, "abort")
+    assert bm.num_free_pages == 16

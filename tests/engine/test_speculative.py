@@ -48,6 +48,24 @@ def test_outputs_are_plain_decodings_token_for_token(spec_llm, smollm2_quantized
     assert kept > 0 and drafted > kept  # drafts were kept and rejected on the way
 
 
+def test_guessed_steps_hold_or_are_dropped_and_change_no_token(spec_llm, smollm2_quantized_llm):
+    """Async scheduling dispatches a drafted step's successor on a guess that every draft is kept
+    (`LLMEngine._guess_ahead`): on prompts that quote, guesses hold and some fail (a draft rejected, another token
+    sampled), the outputs stay plain decoding's, and every page is free after."""
+    stats = spec_llm.spec_decode_stats
+    before = stats.num_guessed_steps, stats.num_guessed_steps_held
+    params = SamplingParams(temperature=0, max_tokens=96)
+    got = [o.outputs[0].token_ids for o in spec_llm.chat(GROUNDED * 2, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in smollm2_quantized_llm.chat(GROUNDED * 2, params, use_tqdm=False)]
+    for conv in GROUNDED:  # one at a time: a step of one sequence is guessed on whenever it drafts
+        got = spec_llm.chat([conv], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == smollm2_quantized_llm.chat([conv], params, use_tqdm=False)[0].outputs[0].token_ids
+    guessed, held = stats.num_guessed_steps - before[0], stats.num_guessed_steps_held - before[1]
+    assert guessed > held > 0
+    bm = spec_llm.engine.block_manager
+    assert bm.num_free_pages == bm.num_pages
+
+
 def test_no_compiles_after_warmup_and_every_page_free_after_aborts(spec_llm):
     prompt = spec_llm.get_tokenizer().apply_chat_template(GROUNDED[0], add_generation_prompt=True)
     run_with_aborts(spec_llm.engine, [prompt] * 6, SamplingParams(temperature=0, max_tokens=64), steps=8)

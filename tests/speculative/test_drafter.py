@@ -60,3 +60,40 @@ def test_no_drafts_for_a_large_batch():
     assert all(s.drafts == [] for s in seqs)
     d.propose(seqs[:1])
     assert seqs[0].drafts == [4, 5, 6, 7]
+
+
+def test_a_guess_is_the_step_after_all_drafts_kept():
+    """`guess`: the tokens a drafted sequence gains if every draft is kept and the target adds the token the lookup
+    expects, and the drafts `propose` would give it then; none where a guess is unlikely or has no room."""
+    d = drafter(k=4)
+    seq = decoding(SamplingParams(max_tokens=100))
+    d.propose([seq])
+    step = ScheduledStep([seq], [5], drafts=[seq.drafts])
+    assert d.guess(step) == [([4, 5, 6, 7, 8], [9, 10, 11, 12])]
+    longer = decoding(SamplingParams(max_tokens=100), QUOTED + [4, 5, 6, 7, 8])  # as if the guess held
+    d.propose([longer])
+    assert longer.drafts == [9, 10, 11, 12]
+
+    assert d.guess(ScheduledStep([seq, seq], [5, 1], drafts=[seq.drafts, []])) is None  # one did not draft
+    tight = decoding(SamplingParams(max_tokens=6))  # drafts 4..7 and the guess 8: 5 of 6 outputs, 1 more the target's
+    d.propose([tight])
+    assert tight.drafts == [4, 5, 6, 7] and d.guess(ScheduledStep([tight], [5], drafts=[tight.drafts])) is None
+    ends = decoding(SamplingParams(max_tokens=100), [1, 2, 3, 4, 5, 6, 1, 2, 3])  # the quote ends at 6: no guess
+    d.propose([ends])
+    assert ends.drafts == [4, 5, 6, 1] and d.guess(ScheduledStep([ends], [5], drafts=[ends.drafts])) == \
+        [([4, 5, 6, 1, 2], [3, 4, 5, 6])]
+    d.observe(step, rejected=[2])  # seq kept 2 of 4: its next drafts are not guessed on
+    d.propose([seq])
+    assert d.guess(ScheduledStep([seq], [1 + len(seq.drafts)], drafts=[seq.drafts])) is None
+
+
+def test_no_guess_for_a_method_that_runs_a_model_or_with_the_draft_budget():
+    seq = decoding(SamplingParams(max_tokens=100))
+    d = drafter(k=4)
+    d.proposer.propose_after = lambda seq, gained, n: None  # as a draft model's (`Proposer.propose_after`)
+    d.propose([seq])
+    assert seq.drafts and d.guess(ScheduledStep([seq], [5], drafts=[seq.drafts])) is None
+    budget = drafter(k=4, draft_budget="step_cost")
+    budget.calibrate({(8, 8): 1e-3}, lambda t, s: (8, 8))
+    budget.propose([seq])
+    assert seq.drafts and budget.guess(ScheduledStep([seq], [1 + len(seq.drafts)], drafts=[seq.drafts])) is None
