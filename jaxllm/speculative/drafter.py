@@ -17,6 +17,11 @@ from jaxllm.speculative.draft_budget import FRESH_RATE, DraftBudget, KeepRate
 from jaxllm.speculative.methods import ProposerContext, make_proposer
 from jaxllm.speculative.verify import SpecDecodeStats
 
+# A sequence's drafted steps in a row that kept every draft before its next is guessed on: a failed guess costs a
+# step's device time, a held one saves the host's work around a step (docs/performance.md), and a quote that
+# ends, or an edit in it, fails a guess
+GUESS_AFTER = 2
+
 if TYPE_CHECKING:
     from jaxllm.engine.scheduler import ScheduledStep
     from jaxllm.engine.sequence import Sequence
@@ -33,7 +38,8 @@ class Drafter:
         # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
         # kept or not, and a sequence whose drafts fail (its output stopped quoting) should try few of them.
         self.caps: dict[int, int] = {}
-        self.missed: set[int] = set()  # sequences whose last drafted step rejected a draft (no guesses: `guess`)
+        # Drafted steps in a row that kept every draft, by seq_id (`guess`)
+        self.streaks: dict[int, int] = {}
         # What was kept of each sequence's drafts and of all of them (`draft_budget`'s rates); the budget itself
         # once the steps are timed (`calibrate`)
         self.keep_rates: dict[int, KeepRate] = {}
@@ -57,7 +63,7 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
-        self.missed &= {seq.seq_id for seq in running}
+        self.streaks = {seq.seq_id: n for seq in running if (n := self.streaks.get(seq.seq_id))}
         if self.budget is not None:
             self.keep_rates = {seq.seq_id: r for seq in running if (r := self.keep_rates.get(seq.seq_id)) is not None}
         self.proposer.begin(running)
@@ -79,15 +85,16 @@ class Drafter:
         dispatched before `step` is read back (async scheduling), runs exactly as it would have had it waited
         whenever the guess holds (`jaxllm.engine.llm_engine`). None where a guess is not worth a step (one that
         fails costs a step's device time; one that holds saves the host's work between steps): some sequence did
-        not draft, did not keep all of its drafts the step before, has no guess or no room after it; the method
-        cannot guess (it runs a model); the draft budget chooses drafts by timing steps one at a time."""
+        not draft, or did not keep every draft of its last `GUESS_AFTER` drafted steps, or has no guess or no
+        room after it; the method cannot guess (it runs a model); the draft budget chooses drafts by timing steps
+        one at a time."""
         limit = self.config.disable_by_batch_size
         if self.budget is not None or not step.seqs or not all(step.drafts) or \
                 (limit is not None and len(step.seqs) >= limit):
             return None
         out = []
         for seq, drafted in zip(step.seqs, step.drafts, strict=True):
-            if seq.seq_id in self.missed or not self._may_draft(seq):
+            if self.streaks.get(seq.seq_id, 0) < GUESS_AFTER or not self._may_draft(seq):
                 return None
             nxt = self.proposer.propose_after(seq, drafted, 1)
             if not nxt:
@@ -131,7 +138,7 @@ class Drafter:
                     self.keep_rates.setdefault(seq.seq_id, KeepRate()).observe(len(drafted), kept)
                     self.pooled.observe(len(drafted), kept)
                 self.caps[seq.seq_id] = k if lost == 0 else max(1, 2 * kept)
-                (self.missed.discard if lost == 0 else self.missed.add)(seq.seq_id)
+                self.streaks[seq.seq_id] = self.streaks.get(seq.seq_id, 0) + 1 if lost == 0 else 0
 
     @staticmethod
     def _may_draft(seq: Sequence) -> bool:

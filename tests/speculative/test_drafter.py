@@ -4,6 +4,7 @@ from jaxllm.engine.scheduler import ScheduledStep
 from jaxllm.engine.sequence import Request, Sequence
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.speculative import Drafter, SpeculativeConfig
+from jaxllm.speculative.drafter import GUESS_AFTER
 
 QUOTED = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3]  # "1 2 3" seen before: 4 5 6 ... follow
 
@@ -69,6 +70,10 @@ def test_a_guess_is_the_step_after_all_drafts_kept():
     seq = decoding(SamplingParams(max_tokens=100))
     d.propose([seq])
     step = ScheduledStep([seq], [5], drafts=[seq.drafts])
+    assert d.guess(step) is None  # its first drafts: nothing says it quotes yet
+    d.observe(ScheduledStep([seq], [3], drafts=[[4, 5]]), rejected=[0])  # as if it had kept its drafts before
+    assert d.guess(step) is None  # once: not yet
+    d.observe(ScheduledStep([seq], [3], drafts=[[4, 5]]), rejected=[0])
     assert d.guess(step) == [([4, 5, 6, 7, 8], [9, 10, 11, 12])]
     longer = decoding(SamplingParams(max_tokens=100), QUOTED + [4, 5, 6, 7, 8])  # as if the guess held
     d.propose([longer])
@@ -76,24 +81,28 @@ def test_a_guess_is_the_step_after_all_drafts_kept():
 
     assert d.guess(ScheduledStep([seq, seq], [5, 1], drafts=[seq.drafts, []])) is None  # one did not draft
     tight = decoding(SamplingParams(max_tokens=6))  # drafts 4..7 and the guess 8: 5 of 6 outputs, 1 more the target's
+    d.streaks[tight.seq_id] = GUESS_AFTER
     d.propose([tight])
     assert tight.drafts == [4, 5, 6, 7] and d.guess(ScheduledStep([tight], [5], drafts=[tight.drafts])) is None
-    ends = decoding(SamplingParams(max_tokens=100), [1, 2, 3, 4, 5, 6, 1, 2, 3])  # the quote ends at 6: no guess
+    ends = decoding(SamplingParams(max_tokens=100), [1, 2, 3, 4, 5, 6, 1, 2, 3])  # the quote wraps round
+    d.streaks[ends.seq_id] = GUESS_AFTER
     d.propose([ends])
     assert ends.drafts == [4, 5, 6, 1] and d.guess(ScheduledStep([ends], [5], drafts=[ends.drafts])) == \
         [([4, 5, 6, 1, 2], [3, 4, 5, 6])]
-    d.observe(step, rejected=[2])  # seq kept 2 of 4: its next drafts are not guessed on
-    d.propose([seq])
-    assert d.guess(ScheduledStep([seq], [1 + len(seq.drafts)], drafts=[seq.drafts])) is None
+    d.observe(ScheduledStep([ends], [5], drafts=[ends.drafts]), rejected=[2])  # kept 2 of 4
+    d.propose([ends])
+    assert ends.drafts and d.guess(ScheduledStep([ends], [1 + len(ends.drafts)], drafts=[ends.drafts])) is None
 
 
 def test_no_guess_for_a_method_that_runs_a_model_or_with_the_draft_budget():
     seq = decoding(SamplingParams(max_tokens=100))
     d = drafter(k=4)
     d.proposer.propose_after = lambda seq, gained, n: None  # as a draft model's (`Proposer.propose_after`)
+    d.streaks[seq.seq_id] = GUESS_AFTER
     d.propose([seq])
     assert seq.drafts and d.guess(ScheduledStep([seq], [5], drafts=[seq.drafts])) is None
     budget = drafter(k=4, draft_budget="step_cost")
     budget.calibrate({(8, 8): 1e-3}, lambda t, s: (8, 8))
+    budget.streaks[seq.seq_id] = GUESS_AFTER
     budget.propose([seq])
     assert seq.drafts and budget.guess(ScheduledStep([seq], [1 + len(seq.drafts)], drafts=[seq.drafts])) is None
