@@ -1,13 +1,17 @@
 """Speculative decoding's speed on the embedded SmolLM2 (`LLM()` defaults, the `smollm2-cpu` preset), the same
-engine with and without it, each in its own process, alternating over rounds: one request at a time, output
-tokens per second over the whole request (prefill included) on input-grounded prompts (repeat, rewrite, extract,
-correct a given text) and on open questions; and 16 grounded streams at once. Greedy, 256 new tokens at most.
-Prompts: benchmarks/data/speculative_prompts.json.
+engine with and without it, in one process: one request at a time, output tokens per second over the whole
+request (prefill included) on input-grounded prompts (repeat, rewrite, extract, correct a given text) and on open
+questions, the engines alternating request by request; and 16 grounded streams at once, the engines in turn.
+Each round starts every engine with an empty prefix cache (`LLM.reset_prefix_cache`), as a fresh process would.
+Greedy, 256 new tokens at most. Prompts: benchmarks/data/speculative_prompts.json.
 
     python benchmarks/speculative.py [--rounds 3] [--k 7] [--lookup-max 4] [--lookup-min 2] [--json out.json]
         [--draft-budgets all,step_cost]
 
 --draft-budgets: an ngram engine per `draft_budget` value, in the same rounds (the first is the headline's).
+Reported: medians over rounds of each engine's tok/s, and the medians of the per-round ratios to the plain engine
+beside it (each round's engines ran interleaved, so its ratio is the one that means something on a machine whose
+speed drifts).
 """
 
 from __future__ import annotations
@@ -15,9 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -26,42 +27,57 @@ import machine
 PROMPTS = json.loads(Path(__file__).with_name("data").joinpath("speculative_prompts.json").read_text())
 MAX_TOKENS = 256
 CONCURRENT = 16
+METRICS = ("grounded_tok_s", "open_tok_s", "concurrent_tok_s")
 
 
-def run_engine(spec: dict | None) -> dict:
-    from jaxllm import LLM, SamplingParams
-
-    llm = LLM(speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+def conversations() -> dict[str, list[list[dict]]]:
     system = [{"role": "system", "content": PROMPTS["system"]}]
-    chats = {"grounded": [system + [{"role": "user", "content": p}] for p in PROMPTS["grounded"]],
-             "open": [[{"role": "user", "content": p}] for p in PROMPTS["open"]]}
-    llm.chat(chats["open"][:1], params, use_tqdm=False)  # every code path once
-    result = {}
-    for kind, convs in chats.items():
-        tokens, seconds = 0, 0.0
+    return {"grounded": [system + [{"role": "user", "content": p}] for p in PROMPTS["grounded"]],
+            "open": [[{"role": "user", "content": p}] for p in PROMPTS["open"]]}
+
+
+def run_round(engines: dict, r: int) -> dict[str, dict]:
+    """One round: every engine from an empty prefix cache; the single requests with the engines alternating
+    (the order turned each request), then each engine's 16 streams."""
+    from jaxllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    names = list(engines)
+    for llm in engines.values():
+        if not llm.reset_prefix_cache():
+            raise RuntimeError("an engine still runs requests")
+    result = {name: {} for name in names}
+    turn = r
+    for kind, convs in conversations().items():
+        tokens = dict.fromkeys(names, 0)
+        seconds = dict.fromkeys(names, 0.0)
+        per_prompt = {name: [] for name in names}
         for conv in convs:
-            start = time.perf_counter()
-            out = llm.chat([conv], params, use_tqdm=False)[0].outputs[0]
-            seconds += time.perf_counter() - start
-            tokens += len(out.token_ids)
-        result[f"{kind}_tok_s"] = tokens / seconds
-        result[f"{kind}_tokens"] = tokens
-    streams = [chats["grounded"][i % len(chats["grounded"])] for i in range(CONCURRENT)]
-    start = time.perf_counter()
-    outs = llm.chat(streams, params, use_tqdm=False)
-    result["concurrent_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
-    if llm.spec_decode_stats is not None:
-        result["acceptance_rate"] = llm.spec_decode_stats.acceptance_rate
-        result["mean_acceptance_length"] = llm.spec_decode_stats.mean_acceptance_length
+            turn += 1
+            for name in names[turn % len(names):] + names[:turn % len(names)]:
+                start = time.perf_counter()
+                out = engines[name].chat([conv], params, use_tqdm=False)[0].outputs[0]
+                took = time.perf_counter() - start
+                seconds[name] += took
+                tokens[name] += len(out.token_ids)
+                per_prompt[name].append([len(out.token_ids), round(took, 5)])
+        for name in names:
+            result[name] |= {f"{kind}_tok_s": tokens[name] / seconds[name], f"{kind}_tokens": tokens[name],
+                             f"{kind}_per_prompt": per_prompt[name]}
+    streams = [conversations()["grounded"][i % len(PROMPTS["grounded"])] for i in range(CONCURRENT)]
+    for name in names[r % len(names):] + names[:r % len(names)]:
+        start = time.perf_counter()
+        outs = engines[name].chat(streams, params, use_tqdm=False)
+        result[name]["concurrent_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (
+            time.perf_counter() - start)
+    for name, llm in engines.items():
+        if llm.spec_decode_stats is not None:
+            stats = llm.spec_decode_stats
+            result[name] |= {"acceptance_rate": stats.acceptance_rate,
+                             "mean_acceptance_length": stats.mean_acceptance_length,
+                             "guessed_steps": stats.num_guessed_steps,
+                             "guessed_steps_held": stats.num_guessed_steps_held}
     return result
-
-
-def run_isolated(spec: dict | None) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        subprocess.run([sys.executable, __file__, "--engine", json.dumps(spec), "--json", str(out)], check=True)
-        return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -72,27 +88,34 @@ def main() -> None:
     p.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--draft-budgets", default="all", help="comma-separated draft_budget values: an engine each")
-    p.add_argument("--engine", help=argparse.SUPPRESS)  # one run, here: the speculative config's JSON
     args = p.parse_args()
-    if args.engine:
-        Path(args.json).write_text(json.dumps(run_engine(json.loads(args.engine))))
-        return
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     budgets = args.draft_budgets.split(",")
     engines = {"plain": None, "ngram": {**spec, "draft_budget": budgets[0]}}
     engines |= {f"ngram {b}": {**spec, "draft_budget": b} for b in budgets[1:]}
+    from jaxllm import LLM, SamplingParams
+
+    llms = {name: LLM(speculative_config=config) for name, config in engines.items()}
+    warm = conversations()["open"][:1]
+    for llm in llms.values():  # every code path once
+        llm.chat(warm, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(args.rounds):
-        for name, config in engines.items():
-            runs[name].append(run_isolated(config))
-            print(f"round {r}: {name} {runs[name][-1]}", flush=True)
-    metrics = ("grounded_tok_s", "open_tok_s", "concurrent_tok_s")
+        for name, result in run_round(llms, r).items():
+            runs[name].append(result)
+            print(f"round {r}: {name} " + " ".join(f"{m} {result[m]:.1f}" for m in METRICS), flush=True)
+    metrics = METRICS
     summary = {name: {m: statistics.median(x[m] for x in rs) for m in metrics} for name, rs in runs.items()}
-    ratios = {m: summary["ngram"][m] / summary["plain"][m] for m in metrics}
-    more = {name: {m: summary[name][m] / summary["plain"][m] for m in metrics} for name in list(engines)[2:]}
+
+    def paired(name: str) -> dict[str, float]:
+        return {m: statistics.median(a[m] / b[m] for a, b in zip(runs[name], runs["plain"], strict=True))
+                for m in metrics}
+    ratios = paired("ngram")
+    more = {name: paired(name) for name in list(engines)[2:]}
     host = machine.describe()
-    print(f"\nmedians over {args.rounds} rounds; ngram: {spec}\n{machine.line(host)}")
+    print(f"\nmedians over {args.rounds} rounds (ratios: medians of the rounds' ratios); ngram: {spec}\n"
+          f"{machine.line(host)}")
     print(f"{'':10s} {'grounded tok/s':>15s} {'open tok/s':>11s} {f'{CONCURRENT} grounded tok/s':>19s}")
     for name, m in summary.items():
         print(f"{name:10s} {m['grounded_tok_s']:15.1f} {m['open_tok_s']:11.1f} {m['concurrent_tok_s']:19.1f}")

@@ -86,6 +86,11 @@ class LLM:
         ``.accepted_per_pos`` (vLLM's spec-decode counters); None without."""
         return self.engine.drafter.stats if self.engine.drafter is not None else None
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: forgets every cached prompt page (later prompts recompute their prefixes, as in a fresh engine);
+        False while requests run."""
+        return self.engine.reset_prefix_cache()
+
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
 

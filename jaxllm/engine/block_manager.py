@@ -76,6 +76,16 @@ class BlockManager:
     def usage(self) -> float:
         return 1.0 - len(self.free) / self.num_pages
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page (vLLM's `reset_prefix_cache`): later prompts recompute their prefixes. Only
+        with no page in use (False, and nothing forgotten, otherwise: a running sequence's pages stay cached)."""
+        if len(self.free) != self.num_pages:
+            return False
+        self.hash_of_page.clear()
+        self.page_of_hash.clear()
+        self.key_of_page.clear()
+        return True
+
     def pages_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

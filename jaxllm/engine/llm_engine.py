@@ -215,6 +215,10 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         self._emit(request)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets the prefix cache's pages; False (and nothing forgotten) while requests run."""
+        return not self.requests and self.block_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

@@ -180,3 +180,19 @@ def test_a_guessed_step_grows_pages_past_the_one_in_flight_and_gives_them_back()
     assert seq.num_computed_tokens == 12 and len(seq.block_table) == 3
     sched.finish(seq, "abort")
     assert bm.num_free_pages == 16
+
+
+def test_reset_prefix_cache_forgets_pages_only_when_none_is_in_use():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = list(range(100, 130))
+    first = make_request(1, prefix + [1, 2], max_tokens=2)
+    sched.add(first.seqs[0])
+    run_step(sched, bm)
+    assert not first.finished and not bm.reset_prefix_cache()  # a page in use: refused, nothing forgotten
+    run_step(sched, bm)
+    assert first.finished and bm.reset_prefix_cache()
+    second = make_request(2, prefix + [3, 4, 5], max_tokens=1)
+    sched.add(second.seqs[0])
+    step = sched.schedule()
+    assert step.num_new_tokens == [33] and bm.prefix_hits == 0  # the whole prompt again
