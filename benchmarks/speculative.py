@@ -6,9 +6,10 @@ Each round starts every engine with an empty prefix cache (`LLM.reset_prefix_cac
 Greedy, 256 new tokens at most. Prompts: benchmarks/data/speculative_prompts.json.
 
     python benchmarks/speculative.py [--rounds 3] [--k 7] [--lookup-max 4] [--lookup-min 2] [--json out.json]
-        [--draft-budgets all,step_cost]
+        [--draft-budgets all,step_cost] [--also '{"prompt_lookup_min": 1}' ...]
 
---draft-budgets: an ngram engine per `draft_budget` value, in the same rounds (the first is the headline's).
+--draft-budgets: an ngram engine per `draft_budget` value, in the same rounds (the first is the headline's);
+--also: one more ngram engine with these fields over the headline's config (repeatable).
 Reported: medians over rounds of each engine's tok/s, and the medians of the per-round ratios to the plain engine
 beside it (each round's engines ran interleaved, so its ratio is the one that means something on a machine whose
 speed drifts).
@@ -88,12 +89,15 @@ def main() -> None:
     p.add_argument("--lookup-min", type=int, default=2, help="prompt_lookup_min")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--draft-budgets", default="all", help="comma-separated draft_budget values: an engine each")
+    p.add_argument("--also", action="append", default=[], type=json.loads,
+                   help="JSON fields over the headline's ngram config: one more engine (repeatable)")
     args = p.parse_args()
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.lookup_max,
             "prompt_lookup_min": args.lookup_min}
     budgets = args.draft_budgets.split(",")
     engines = {"plain": None, "ngram": {**spec, "draft_budget": budgets[0]}}
     engines |= {f"ngram {b}": {**spec, "draft_budget": b} for b in budgets[1:]}
+    engines |= {f"ngram {json.dumps(fields)}": {**engines["ngram"], **fields} for fields in args.also}
     from jaxllm import LLM, SamplingParams
 
     llms = {name: LLM(speculative_config=config) for name, config in engines.items()}
