@@ -312,7 +312,6 @@ class LLMEngine:
         self._ahead = self.runner.dispatch(nxt, assumed=[gain for gain, _ in guessed])
         self._guessed = [(seq, seq.num_tokens + len(gain), gain[-1])
                          for seq, (gain, _) in zip(step.seqs, guessed, strict=True)]
-        self.drafter.stats.num_guessed_steps += 1
 
     def _ends(self, seq: Sequence, tokens: list[int]) -> bool:
         """Whether one of `tokens` would end `seq` by its id (EOS, a stop token: a guess that the sequence goes on
@@ -325,8 +324,9 @@ class LLMEngine:
         """After the guessed step's predecessor was read back: each sequence has the tokens guessed (every draft
         kept, the guessed token sampled), or the guessed step is dropped."""
         guessed, self._guessed = self._guessed, None
-        if all(not seq.finished and seq.num_tokens == n and seq.token_ids[-1] == last for seq, n, last in guessed):
-            self.drafter.stats.num_guessed_steps_held += 1
+        held = all(not seq.finished and seq.num_tokens == n and seq.token_ids[-1] == last for seq, n, last in guessed)
+        self.drafter.stats.observe_guess(held)
+        if held:
             return
         self.scheduler.drop_guessed(self._ahead.step)
         self._ahead = None

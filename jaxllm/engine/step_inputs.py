@@ -74,7 +74,7 @@ class StepInputBuilder:
         """embeds: a vision-language model's image embeddings by image hash; ahead: tokens each sequence has
         beyond its host state (a step dispatched after one not read back yet; its ids come from the device);
         assumed: instead, per sequence, the tokens it has beyond its host state, known to the host (a step
-        dispatched on a guess of what the one before it yields: `jaxllm.speculative.guess`)."""
+        dispatched on a guess of what the one before it yields: `Drafter.guess`)."""
         t, s = bucket
         ids = np.zeros(t, np.int32)
         positions = np.zeros((3, t) if self.mrope else t, np.int32)

@@ -48,6 +48,10 @@ class SpecDecodeStats:
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
 
+    def observe_guess(self, held: bool) -> None:
+        self.num_guessed_steps += 1
+        self.num_guessed_steps_held += held
+
     def counters(self) -> dict:
         """As the engine's stats publish them (metric names without their jaxllm_ prefix)."""
         return {"spec_decode_num_drafts_total": self.num_drafts,

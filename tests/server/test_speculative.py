@@ -45,6 +45,8 @@ def test_streamed_and_whole_answers_agree_and_counters_reach_metrics(spec_server
                if line.startswith("jaxllm_spec_decode_num_accepted_tokens_per_pos_total{")}
     assert sorted(per_pos) == ["0", "1", "2", "3"]
     assert sum(per_pos.values()) == m["jaxllm_spec_decode_num_accepted_tokens_total"]
+    # steps dispatched on a guess (too short an answer here to be guessed on: tests/engine/test_speculative.py)
+    assert m["jaxllm_spec_decode_num_guessed_steps_total"] >= m["jaxllm_spec_decode_num_guessed_steps_held_total"] >= 0
 
 
 def test_a_draft_model_drafts_in_the_engine_core_process(tiny_folder, tmp_path, compile_cache_dir):
