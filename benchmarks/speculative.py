@@ -49,7 +49,8 @@ def run_round(engines: dict, r: int) -> dict[str, dict]:
             raise RuntimeError("an engine still runs requests")
     result = {name: {} for name in names}
     turn = r
-    for kind, convs in conversations().items():
+    chats = conversations()
+    for kind, convs in chats.items():
         tokens = dict.fromkeys(names, 0)
         seconds = dict.fromkeys(names, 0.0)
         per_prompt = {name: [] for name in names}
@@ -65,7 +66,7 @@ def run_round(engines: dict, r: int) -> dict[str, dict]:
         for name in names:
             result[name] |= {f"{kind}_tok_s": tokens[name] / seconds[name], f"{kind}_tokens": tokens[name],
                              f"{kind}_per_prompt": per_prompt[name]}
-    streams = [conversations()["grounded"][i % len(PROMPTS["grounded"])] for i in range(CONCURRENT)]
+    streams = [chats["grounded"][i % len(chats["grounded"])] for i in range(CONCURRENT)]
     for name in names[r % len(names):] + names[:r % len(names)]:
         start = time.perf_counter()
         outs = engines[name].chat(streams, params, use_tqdm=False)

@@ -23,7 +23,7 @@ from jaxllm.engine.request_outputs import generation_output, pooling_output
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Request, Sequence, SequenceStatus
 from jaxllm.engine.startup import StartupReport
-from jaxllm.engine.stop_checker import check_stop
+from jaxllm.engine.stop_checker import check_stop, stops_by_id
 from jaxllm.engine.structured_output import GrammarCompiler
 from jaxllm.errors import InvalidRequestError, PromptTooLongError
 from jaxllm.loading import LoadedModel
@@ -300,7 +300,8 @@ class LLMEngine:
                 len(step.seqs) != len(self.scheduler.running):  # none left out: a chain of guesses would starve it
             return
         guessed = self.drafter.guess(step)
-        if guessed is None or any(self._ends(seq, gain) for seq, (gain, _) in zip(step.seqs, guessed, strict=True)):
+        if guessed is None or any(stops_by_id(seq, gain, self.eos_token_ids)  # a guess past a stop is wasted
+                                  for seq, (gain, _) in zip(step.seqs, guessed, strict=True)):
             return
         try:
             self.runner.bucket_for(sum(1 + len(d) for _, d in guessed), len(step.seqs))
@@ -312,13 +313,6 @@ class LLMEngine:
         self._ahead = self.runner.dispatch(nxt, assumed=[gain for gain, _ in guessed])
         self._guessed = [(seq, seq.num_tokens + len(gain), gain[-1])
                          for seq, (gain, _) in zip(step.seqs, guessed, strict=True)]
-
-    def _ends(self, seq: Sequence, tokens: list[int]) -> bool:
-        """Whether one of `tokens` would end `seq` by its id (EOS, a stop token: a guess that the sequence goes on
-        past it is wasted)."""
-        p = seq.params
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        return not stops.isdisjoint(tokens)
 
     def _check_guess(self) -> None:
         """After the guessed step's predecessor was read back: each sequence has the tokens guessed (every draft

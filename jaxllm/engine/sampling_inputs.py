@@ -40,11 +40,10 @@ class SamplingInputs:
             ("history", self.no_history[s]), ("bias_ids", self.no_bias[s][0]),
             ("bias_values", self.no_bias[s][1]), ("mask", self.no_mask[s]))}
 
-    def build(self, rows: list[Sequence], s: int, ahead: int | list[int] = 0) -> SamplingTensors:
-        """rows: the sequences that get a token, in row order, padded to `s` rows; ahead: tokens each has beyond
-        its host state (a step dispatched before the previous one's tokens were read back), or per row."""
+    def build(self, rows: list[Sequence], s: int, ahead: list[int]) -> SamplingTensors:
+        """rows: the sequences that get a token, in row order, padded to `s` rows; ahead: per row, tokens it has
+        beyond its host state (a step dispatched before the previous one's tokens were read back)."""
         n = len(rows)
-        ahead = [ahead] * n if isinstance(ahead, int) else ahead
         params = [seq.params for seq in rows]
 
         def column(values, dtype, fill=0) -> np.ndarray:  # a field of every row, padded to s (one C-level fill)

@@ -6,6 +6,13 @@ from __future__ import annotations
 from jaxllm.engine.sequence import Sequence
 
 
+def stops_by_id(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ...]) -> bool:
+    """Whether one of `tokens` would end `seq` by its id alone (EOS unless ignored, a stop token), once past
+    min_tokens."""
+    p = seq.params
+    return any(t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids) for t in tokens)
+
+
 def check_stop(seq: Sequence, token: int, stop_str: str | None, eos_token_ids: tuple[int, ...],
                max_model_len: int) -> tuple[str, int | str | None] | None:
     """(finish_reason, stop_reason) once `token` (already appended, and fed to the detokenizer, which found
