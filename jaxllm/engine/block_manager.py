@@ -15,6 +15,12 @@ exactly this sequence's prefix, whatever the hash does.
 
 A page holding image tokens (all the same image-pad id) is told apart by the content hashes of the images it
 holds, mixed into its hash and its key: the same image hits, two different images never share a page.
+
+Pages a step is about to fill are promised (`promise`) while that step is scheduled: a request admitted later in
+the same step shares them as hits (vLLM's behaviour too: n > 1 siblings, or clients sending one system prompt at
+once, compute it once). That is sound because every attention kernel writes the whole step's K/V into the cache
+before any query reads it (`jaxllm.kernels.attention_kernel`), and a scheduled step always runs; the writer
+registers the pages as usual once the step is done (`cache_full_pages`).
 """
 
 from __future__ import annotations
@@ -67,6 +73,10 @@ class BlockManager:
         self.key_of_page: dict[int, tuple] = {}
         self.generation = [0] * num_pages  # bumped whenever a page is handed out for new content
         self.prefix_hits = 0  # prompt tokens served from the cache
+        # Pages the step being scheduled fills (`promise`): hash -> page, and each page's hash and key.
+        self.promised: dict[bytes, int] = {}
+        self.promised_hash: dict[int, bytes] = {}
+        self.promised_key: dict[int, tuple] = {}
 
     @property
     def num_free_pages(self) -> int:
@@ -111,8 +121,10 @@ class BlockManager:
             images = _page_images(seq, i, self.page_size)
             h = self._page_hash(prev, tokens, images)
             page = self.page_of_hash.get(h)
-            if page is None or self.key_of_page.get(page) != self._page_key(pages[-1] if pages else None, salt,
-                                                                             tokens, images):
+            known = self.key_of_page
+            if page is None:
+                page, known = self.promised.get(h), self.promised_key
+            if page is None or known.get(page) != self._page_key(pages[-1] if pages else None, salt, tokens, images):
                 break  # a miss, or a hash collision: the page holds something else
             pages.append(page)
             prev = h
@@ -122,8 +134,33 @@ class BlockManager:
         for page in pages:
             self._take(page)
         seq.block_table = list(pages)
-        seq.page_hashes = [self.hash_of_page[p] for p in pages]
+        seq.page_hashes = [self.hash_of_page.get(p) or self.promised_hash[p] for p in pages]
         self.prefix_hits += len(pages) * self.page_size
+
+    def promise(self, seq: Sequence, num_tokens: int) -> None:
+        """seq's pages that become full of its known tokens once the step being scheduled computes them up to
+        `num_tokens` (its block table holds them): until `forget_promises`, `cached_prefix` serves them too."""
+        if not self.enable_prefix_caching:
+            return
+        full = min(num_tokens, seq.num_tokens) // self.page_size
+        salt = seq.request.prefix_salt
+        prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
+        for i in range(len(seq.page_hashes), full):
+            tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
+            images = _page_images(seq, i, self.page_size)
+            prev = h = self._page_hash(prev, tokens, images)
+            page = seq.block_table[i]
+            if h not in self.page_of_hash and h not in self.promised and page not in self.hash_of_page:
+                self.promised[h] = page
+                self.promised_hash[page] = h
+                self.promised_key[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens,
+                                                         images)
+
+    def forget_promises(self) -> None:
+        """The step is scheduled: its pages are registered by `cache_full_pages` once computed."""
+        self.promised.clear()
+        self.promised_hash.clear()
+        self.promised_key.clear()
 
     def _take(self, page: int) -> None:
         if self.ref_counts[page] == 0:

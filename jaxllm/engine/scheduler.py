@@ -66,10 +66,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _ready(self, seq: Sequence) -> bool:
-        """Choices 1..n-1 of a request wait until choice 0 has computed the prompt, then share its pages."""
+    def _ready(self, seq: Sequence, ends: dict[Sequence, int]) -> bool:
+        """Choices 1..n-1 of a request wait until choice 0 has computed the prompt, or computes its end in this
+        step (`ends`: where each sequence's chunk in it ends), then share its pages."""
         leader = seq.request.seqs[0]
-        return seq is leader or leader.finished or leader.num_computed_tokens >= leader.num_prompt_tokens
+        return seq is leader or leader.finished or max(leader.num_computed_tokens, ends.get(leader, 0)) >= \
+            leader.num_prompt_tokens
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -101,6 +103,12 @@ class Scheduler:
         return n
 
     def schedule(self) -> ScheduledStep:
+        try:
+            return self._schedule()
+        finally:
+            self.bm.forget_promises()  # only a request admitted in this same step may share a promised page
+
+    def _schedule(self) -> ScheduledStep:
         budget = self.max_num_batched_tokens
         step = ScheduledStep([], [])
         preempted = False
@@ -126,6 +134,8 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 continue
             self.bm.grow(seq, seq.num_computed_tokens + n)
+            if self.waiting:  # a prompt this step admits may share the pages it fills
+                self.bm.promise(seq, seq.num_computed_tokens + n)
             step.seqs.append(seq)
             step.num_new_tokens.append(n)
             step.drafts.append(drafts)
@@ -135,9 +145,10 @@ class Scheduler:
         if preempted:  # no admissions in a step that had to preempt
             return step
         skipped: list[Sequence] = []
+        ends = {q: q.num_computed_tokens + n for q, n in zip(step.seqs, step.num_new_tokens, strict=True)}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._ready(seq):
+            if not self._ready(seq, ends):
                 skipped.append(self.waiting.popleft())
                 continue
             # Mean and CLS pooling read every token's hidden state, an encoder's tokens attend to each other, and
@@ -167,6 +178,9 @@ class Scheduler:
             self.bm.allocate_prefix(seq, cached)
             seq.num_computed_tokens = seq.num_cached_tokens = start
             self.bm.grow(seq, start + n)
+            ends[seq] = start + n
+            if self.waiting:
+                self.bm.promise(seq, start + n)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             step.seqs.append(seq)

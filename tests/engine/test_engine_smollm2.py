@@ -117,6 +117,31 @@ def test_prefix_cache_hit_counts(any_smollm2_llm):
     assert out.num_cached_tokens == common // page * page > 64
 
 
+def test_prompts_admitted_together_share_the_pages_they_fill(any_smollm2_llm):
+    """Two requests with one system prompt in the same step: the second reads the pages the first writes in that
+    step (its K/V lands before any query attends) and its tokens are the ones it gets alone; another tenant's
+    copy shares nothing."""
+    llm = any_smollm2_llm
+    tok = llm.get_tokenizer()
+    system = [{"role": "system", "content": "Answer like a patient tutor of chemistry. " * 4}]
+    prompts = [tok.apply_chat_template(system + [{"role": "user", "content": q}], tokenize=True)
+               for q in ("What is an atom?", "What is a molecule?")]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.reset_prefix_cache()
+    alone = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    assert llm.reset_prefix_cache()
+    together = llm.generate([{"prompt_token_ids": prompts[0]}, {"prompt_token_ids": prompts[1]},
+                             {"prompt_token_ids": prompts[1], "cache_salt": "another-tenant"}], params,
+                            use_tqdm=False)
+    page = llm.engine.config.page_size
+    common = next(i for i, (a, b) in enumerate(zip(*prompts, strict=False)) if a != b)
+    shared = common // page * page
+    assert shared >= 2 * page and len(prompts[0]) + len(prompts[1]) - shared <= ENGINE_OPTIONS[
+        "max_num_batched_tokens"]  # the first two fit one step
+    assert [o.num_cached_tokens for o in together] == [0, shared, 0]
+    assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone + alone[1:]]
+
+
 def test_abort_frees_pages(smollm2_llm):
     engine = smollm2_llm.engine
     free_before = engine.block_manager.num_free_pages

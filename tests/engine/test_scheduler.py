@@ -121,16 +121,50 @@ def test_n_choices_share_the_prompt_pages():
     for s in r.seqs:
         sched.add(s)
     step = sched.schedule()
-    assert step.seqs == [r.seqs[0]]  # the other choices wait for the prompt
-    for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
-        seq.num_computed_tokens += n
-        bm.cache_full_pages(seq)
-        seq.token_ids.append(9)
-    step = sched.schedule()
     leader, *others = r.seqs
+    assert step.seqs == r.seqs and step.num_new_tokens == [21, 1, 1]  # the others compute the last token only
     for s in others:
         assert s.num_cached_tokens == 20 and s.block_table[:5] == leader.block_table[:5]
     assert bm.ref_counts[leader.block_table[0]] == 3
+    sched.update_from_output(step)
+    assert all(s.page_hashes == leader.page_hashes[:5] for s in others)
+    assert not bm.promised and len(bm.page_of_hash) == 5  # registered once, by the leader that wrote them
+
+
+def test_choices_wait_for_a_prompt_chunked_over_steps():
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
+    r = make_request(1, list(range(21)), n=2)
+    for s in r.seqs:
+        sched.add(s)
+    assert sched.schedule().seqs == [r.seqs[0]]  # its chunk does not reach the prompt's end
+
+
+def test_a_prompt_admitted_in_the_same_step_shares_the_pages_being_filled():
+    """Pages another request fills in the step being scheduled are hits (every kernel writes the step's K/V before
+    attending); a request with another cache_salt never shares them, and the promises end with the step."""
+    bm = BlockManager(64, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    prompt = list(range(100, 118))  # 4 full pages and 2 tokens
+    first, second = make_request(1, prompt), make_request(2, prompt[:14] + [5, 6, 7])
+    salted = make_request(3, prompt)
+    salted.cache_salt = "tenant-b"
+    for r in (first, second, salted):
+        sched.add(r.seqs[0])
+    step = sched.schedule()
+    a, b, c = (r.seqs[0] for r in (first, second, salted))
+    assert step.seqs == [a, b, c] and step.num_new_tokens == [18, 5, 18]
+    assert b.block_table[:3] == a.block_table[:3] and b.num_cached_tokens == 12  # page 4 differs
+    assert c.num_cached_tokens == 0 and not set(c.block_table) & set(a.block_table)
+    assert not bm.promised
+    sched.update_from_output(step)
+    later = make_request(4, prompt)
+    sched.add(later.seqs[0])
+    sched.schedule()
+    assert later.seqs[0].block_table[:4] == a.block_table[:4]
+    for r in (first, second, salted, later):
+        sched.finish(r.seqs[0], "abort")
+    assert bm.num_free_pages == 64
 
 
 def test_no_page_leaks_after_1000_random_requests():
