@@ -116,8 +116,9 @@ class Drafter:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(seqs) >= limit:
             return False
+        # (the room past the caps: a cap that fell to 1 rises again only through a drafted step that keeps all)
         if self.budget is None:
-            return any(self._may_draft(seq) and self._room(seq) > 1 and self.proposer.worth_waiting(seq)
+            return any(self._may_draft(seq) and self._room(seq, capped=False) > 1 and self.proposer.worth_waiting(seq)
                        for seq in seqs)
         rooms = [self._room(seq) if self._may_draft(seq) and self.proposer.worth_waiting(seq) else 0 for seq in seqs]
         # nor when the budget would drop the drafts the quoting sequences could get
@@ -146,12 +147,13 @@ class Drafter:
         return (seq.num_computed_tokens + 1 == seq.num_tokens and not seq.finished and seq.pooled is None
                 and seq.matcher is None and not p.uses_penalties and seq.num_output_tokens >= p.min_tokens)
 
-    def _room(self, seq: Sequence, gained: int = 0) -> int:
+    def _room(self, seq: Sequence, gained: int = 0, capped: bool = True) -> int:
         """Drafts that can still be used: each kept one is an output token, and the target adds one of its own
-        (gained: tokens the sequence is taken to have beyond its host state, whose drafts were all kept)."""
+        (gained: tokens the sequence is taken to have beyond its host state, whose drafts were all kept; capped:
+        within the sequence's cap, `caps`)."""
         p = seq.params
-        room = self.config.num_speculative_tokens if gained else self.caps.get(seq.seq_id,
-                                                                              self.config.num_speculative_tokens)
+        k = self.config.num_speculative_tokens
+        room = self.caps.get(seq.seq_id, k) if capped and not gained else k
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - seq.num_output_tokens - gained - 1)
         return min(room, self.max_model_len - seq.num_tokens - gained - 1)

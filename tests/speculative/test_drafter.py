@@ -54,6 +54,25 @@ def test_the_cap_follows_what_was_kept():
     assert d.caps == {}  # sequences that left are forgotten
 
 
+def test_a_quoting_sequence_waits_for_its_probe_whatever_its_cap():
+    """With async scheduling a step runs ahead (without drafts) unless some sequence is worth waiting for: one
+    whose cap fell to 1 must still be, while it quotes, or it would never draft again."""
+    d = drafter(k=4)
+    seq, fresh = decoding(SamplingParams(), QUOTED[:-2]), decoding(SamplingParams(), [5, 6, 7, 8, 9])
+    for s, out in ((seq, QUOTED[-2:]), (fresh, [1, 2])):  # output tokens: the prompt's "1 2 3" quoted, or not
+        s.token_ids.extend(out)
+        s.num_computed_tokens += len(out)
+    d.propose([seq, fresh])
+    d.observe(ScheduledStep([seq], [5], drafts=[seq.drafts]), rejected=[4])  # kept none: cap 1
+    d.propose([seq, fresh])
+    assert len(seq.drafts) == 1 and fresh.drafts == []
+    assert d.worth_waiting([seq]) and not d.worth_waiting([fresh])  # quoting (its last token was predicted) or not
+    short = decoding(SamplingParams(max_tokens=2), QUOTED[:-2])
+    short.token_ids.extend(QUOTED[-2:])
+    short.num_computed_tokens += 2
+    assert d.worth_waiting([short]) is False  # room for no draft
+
+
 def test_no_drafts_for_a_large_batch():
     d = drafter(disable_by_batch_size=2)
     seqs = [decoding(SamplingParams()), decoding(SamplingParams())]
