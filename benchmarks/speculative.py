@@ -3,7 +3,9 @@ engine with and without it, in one process: one request at a time, output tokens
 request (prefill included) on input-grounded prompts (repeat, rewrite, extract, correct a given text) and on open
 questions, the engines alternating request by request; and 16 grounded streams at once, the engines in turn.
 Each round starts every engine with an empty prefix cache (`LLM.reset_prefix_cache`), as a fresh process would.
-Greedy, 256 new tokens at most. Prompts: benchmarks/data/speculative_prompts.json.
+Greedy, 256 new tokens at most. Prompts: benchmarks/data/speculative_prompts.json. How much of each grounded answer
+the text holds is reported beside it ("quoted": the share of the plain engine's answer tokens inside a run of
+`QUOTE_RUN` tokens found in the prompt): a small model sometimes answers a grounded prompt with words of its own.
 
     python benchmarks/speculative.py [--rounds 3] [--k 7] [--lookup-max 4] [--lookup-min 2] [--json out.json]
         [--draft-budgets all,step_cost] [--also '{"prompt_lookup_min": 1}' ...]
@@ -27,6 +29,7 @@ import machine
 
 PROMPTS = json.loads(Path(__file__).with_name("data").joinpath("speculative_prompts.json").read_text())
 MAX_TOKENS = 256
+QUOTE_RUN = 4
 CONCURRENT = 16
 METRICS = ("grounded_tok_s", "open_tok_s", "concurrent_tok_s")
 
@@ -35,6 +38,16 @@ def conversations() -> dict[str, list[list[dict]]]:
     system = [{"role": "system", "content": PROMPTS["system"]}]
     return {"grounded": [system + [{"role": "user", "content": p}] for p in PROMPTS["grounded"]],
             "open": [[{"role": "user", "content": p}] for p in PROMPTS["open"]]}
+
+
+def quoted(prompt: list[int], answer: list[int], run: int = QUOTE_RUN) -> float:
+    """The share of `answer`'s tokens inside a run of `run` tokens that `prompt` holds too."""
+    grams = {tuple(prompt[i:i + run]) for i in range(len(prompt) - run + 1)}
+    covered = [False] * len(answer)
+    for i in range(len(answer) - run + 1):
+        if tuple(answer[i:i + run]) in grams:
+            covered[i:i + run] = [True] * run
+    return sum(covered) / max(1, len(answer))
 
 
 def run_round(engines: dict, r: int) -> dict[str, dict]:
@@ -58,11 +71,13 @@ def run_round(engines: dict, r: int) -> dict[str, dict]:
             turn += 1
             for name in names[turn % len(names):] + names[:turn % len(names)]:
                 start = time.perf_counter()
-                out = engines[name].chat([conv], params, use_tqdm=False)[0].outputs[0]
+                request = engines[name].chat([conv], params, use_tqdm=False)[0]
                 took = time.perf_counter() - start
+                out = request.outputs[0]
                 seconds[name] += took
                 tokens[name] += len(out.token_ids)
-                per_prompt[name].append([len(out.token_ids), round(took, 5)])
+                per_prompt[name].append([len(out.token_ids), round(took, 5),
+                                         round(quoted(request.prompt_token_ids, out.token_ids), 3)])
         for name in names:
             result[name] |= {f"{kind}_tok_s": tokens[name] / seconds[name], f"{kind}_tokens": tokens[name],
                              f"{kind}_per_prompt": per_prompt[name]}
@@ -126,8 +141,20 @@ def main() -> None:
         print(f"{name:10s} {m['grounded_tok_s']:15.1f} {m['open_tok_s']:11.1f} {m['concurrent_tok_s']:19.1f}")
     for name, r in ({"ratio": ratios} | {f"{name} ratio": r for name, r in more.items()}).items():
         print(f"{name:10s} {r['grounded_tok_s']:14.2f}x {r['open_tok_s']:10.2f}x {r['concurrent_tok_s']:18.2f}x")
+    per_prompt = {}
+    for kind in ("grounded", "open"):  # each prompt's tok/s ratio (medians of the rounds'), and how much it quotes
+        rows = []
+        for i in range(len(runs["plain"][0][f"{kind}_per_prompt"])):
+            ratio = statistics.median((a[1] / a[0]) / (b[1] / b[0]) for a, b in zip(
+                (r[f"{kind}_per_prompt"][i] for r in runs["plain"]),
+                (r[f"{kind}_per_prompt"][i] for r in runs["ngram"]), strict=True))
+            plain = runs["plain"][0][f"{kind}_per_prompt"][i]
+            rows.append({"tokens": plain[0], "quoted": plain[2], "ratio": ratio})
+        per_prompt[kind] = rows
+        print(f"{kind} prompts (tokens, quoted, ratio): " + "  ".join(
+            f"{r['tokens']} {r['quoted']:.2f} {r['ratio']:.2f}x" for r in rows))
     machine.save(args.json, host, rounds=args.rounds, speculative_config=engines["ngram"], summary=summary,
-                 ratios=ratios, other_ratios=more, runs=runs)
+                 ratios=ratios, other_ratios=more, per_prompt=per_prompt, runs=runs)
 
 
 if __name__ == "__main__":
