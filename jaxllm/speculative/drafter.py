@@ -120,7 +120,8 @@ class Drafter:
         if self.budget is None:
             return any(self._may_draft(seq) and self._room(seq, capped=False) > 1 and self.proposer.worth_waiting(seq)
                        for seq in seqs)
-        rooms = [self._room(seq) if self._may_draft(seq) and self.proposer.worth_waiting(seq) else 0 for seq in seqs]
+        rooms = [self._room(seq, capped=False) if self._may_draft(seq) and self.proposer.worth_waiting(seq) else 0
+                 for seq in seqs]
         # nor when the budget would drop the drafts the quoting sequences could get
         return any(room > 1 for room in rooms) and any(self._trim(seqs, rooms))
 
