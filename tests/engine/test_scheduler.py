@@ -101,12 +101,18 @@ def test_preemption_when_pages_run_out_and_everyone_finishes():
     assert bm.num_free_pages == 10 and all(c == 0 for c in bm.ref_counts)
 
 
-def test_abort_frees_every_page():
-    bm = BlockManager(32, PAGE)
-    sched = Scheduler(bm, max_num_seqs=4, max_num_batched_tokens=8)
-    r = make_request(1, list(range(30)), n=2)
+def queued(prompt: list[int], n: int, budget: int, pages: int = 64) -> tuple[BlockManager, Scheduler, Request]:
+    """A scheduler with one request of n choices waiting."""
+    bm = BlockManager(pages, PAGE)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget)
+    r = make_request(1, prompt, n=n)
     for s in r.seqs:
         sched.add(s)
+    return bm, sched, r
+
+
+def test_abort_frees_every_page():
+    bm, sched, r = queued(list(range(30)), n=2, budget=8, pages=32)
     run_step(sched, bm)
     assert bm.num_free_pages < 32
     for s in r.seqs:
@@ -115,11 +121,7 @@ def test_abort_frees_every_page():
 
 
 def test_n_choices_share_the_prompt_pages():
-    bm = BlockManager(64, PAGE)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
-    r = make_request(1, list(range(21)), n=3)
-    for s in r.seqs:
-        sched.add(s)
+    bm, sched, r = queued(list(range(21)), n=3, budget=64)
     step = sched.schedule()
     leader, *others = r.seqs
     assert step.seqs == r.seqs and step.num_new_tokens == [21, 1, 1]  # the others compute the last token only
@@ -132,11 +134,7 @@ def test_n_choices_share_the_prompt_pages():
 
 
 def test_choices_wait_for_a_prompt_chunked_over_steps():
-    bm = BlockManager(64, PAGE)
-    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=12)
-    r = make_request(1, list(range(21)), n=2)
-    for s in r.seqs:
-        sched.add(s)
+    _, sched, r = queued(list(range(21)), n=2, budget=12)
     assert sched.schedule().seqs == [r.seqs[0]]  # its chunk does not reach the prompt's end
 
 
