@@ -14,8 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.ragged_paged_attention.reference import default_block_q
-
 # The kernel's "minus infinity" (finite: max() against it stays well defined), also a sink of "none"; defined here,
 # where numba is not imported, and read by `cpu_kernel`
 NEG = -3.0e38
@@ -34,6 +32,16 @@ def register() -> None:
     """Loads the kernel (compiled by numba, or from its disk cache) and registers the FFI target, once per process."""
     from pallas_kernels.cpu_ffi import register_once
     register_once(TARGET, _load_handler)
+
+
+def block_q_of(query_start_loc: jax.Array) -> jax.Array:
+    """Query tokens that share a K/V page read (one for decode, up to MAX_BLOCK_Q for prefill chunks): the largest
+    power of two <= the mean query length of the step's sequences, counted at run time, as a bucket's padding
+    sequences (no tokens) would make a lone sequence's 8 verification tokens look like 8 decodes, each reading every
+    page alone. The outputs are the same bits for any value (`tests/pallas_kernels/ragged_paged_attention`)."""
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).astype(jnp.int32)
+    mean = jnp.maximum(1, jnp.sum(q_lens) // jnp.maximum(1, jnp.sum(q_lens > 0)))
+    return jnp.minimum(MAX_BLOCK_Q, jnp.left_shift(1, 31 - jax.lax.clz(mean)))
 
 
 def write_and_attend(
@@ -58,10 +66,9 @@ def write_and_attend(
         raise ValueError(f"the CPU attention kernel reads float32, float16 or bfloat16 caches, not {k_cache.dtype}")
     register()
     t, h, d = q.shape
-    # Query tokens that share a K/V page read: one for decode, up to MAX_BLOCK_Q for prefill chunks.
-    block_q = min(default_block_q(t, block_tables.shape[0]), MAX_BLOCK_Q)
     window = 0 if sliding_window is None else sliding_window  # the kernel reads <= 0 as none
-    params = jnp.array([sm_scale, window, soft_cap or 0.0, block_q], jnp.float32)
+    params = jnp.stack([jnp.asarray(x, jnp.float32) for x in (sm_scale, window, soft_cap or 0.0)] +
+                       [block_q_of(query_start_loc).astype(jnp.float32)])
     f32, i32, kv = jnp.float32, jnp.int32, k_cache.dtype
     # no sinks: the kernel's "none" value, which leaves every output as it was bit for bit
     sinks = jnp.full((h,), NEG, f32) if sinks is None else sinks.astype(f32)

@@ -222,3 +222,12 @@ def test_float_caches_run_the_custom_call_and_float8_is_refused():
     with pytest.raises(ValueError, match="reads float32, float16 or bfloat16 caches, not float8_e4m3fn"):
         _lowered(jnp.float8_e4m3fn)
     assert choose_kernels(platform="cpu", dtype=jnp.float32, kv_dtype=jnp.float8_e4m3fn).attention == "reference"
+
+
+def test_block_q_follows_the_real_sequences_not_the_buckets_padding():
+    """A lone sequence's 8 verification tokens in a bucket of 8 sequence slots are one block of 8, not 8 blocks
+    of a decode token each (which read every page 8 times over); a decode batch stays at 1, a prefill at the cap."""
+    cases = {(0, 8, 8, 8, 8, 8, 8, 8, 8): 8, (0, 1, 2, 3, 3): 1, (0, 120, 120): cpu.MAX_BLOCK_Q, (0, 0, 0): 1,
+             (0, 3, 3): 2, (0, 8, 16, 16): 8, (0, 5, 6): 2}
+    for starts, want in cases.items():
+        assert int(cpu.block_q_of(jnp.asarray(starts, jnp.int32))) == want, starts
