@@ -29,6 +29,7 @@ import hashlib
 import json
 from array import array
 from collections import OrderedDict
+from collections.abc import Iterator
 
 from jaxllm.engine.sequence import Sequence
 
@@ -137,24 +138,28 @@ class BlockManager:
         seq.page_hashes = [self.hash_of_page.get(p) or self.promised_hash[p] for p in pages]
         self.prefix_hits += len(pages) * self.page_size
 
-    def promise(self, seq: Sequence, num_tokens: int) -> None:
-        """seq's pages that become full of its known tokens once the step being scheduled computes them up to
-        `num_tokens` (its block table holds them): until `forget_promises`, `cached_prefix` serves them too."""
-        if not self.enable_prefix_caching:
-            return
-        full = min(num_tokens, seq.num_tokens) // self.page_size
+    def _unhashed_full_pages(self, seq: Sequence, full: int) -> Iterator[tuple[int, bytes, tuple]]:
+        """(index, hash, key) of seq's pages from its first without a hash to page `full` (exclusive), chained
+        from its last hashed page."""
         salt = seq.request.prefix_salt
         prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
         for i in range(len(seq.page_hashes), full):
             tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
             images = _page_images(seq, i, self.page_size)
-            prev = h = self._page_hash(prev, tokens, images)
+            prev = self._page_hash(prev, tokens, images)
+            yield i, prev, self._page_key(seq.block_table[i - 1] if i else None, salt, tokens, images)
+
+    def promise(self, seq: Sequence, num_tokens: int) -> None:
+        """seq's pages that become full of its known tokens once the step being scheduled computes them up to
+        `num_tokens` (its block table holds them): until `forget_promises`, `cached_prefix` serves them too."""
+        if not self.enable_prefix_caching:
+            return
+        for i, h, key in self._unhashed_full_pages(seq, min(num_tokens, seq.num_tokens) // self.page_size):
             page = seq.block_table[i]
             if h not in self.page_of_hash and h not in self.promised and page not in self.hash_of_page:
                 self.promised[h] = page
                 self.promised_hash[page] = h
-                self.promised_key[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens,
-                                                         images)
+                self.promised_key[page] = key
 
     def forget_promises(self) -> None:
         """The step is scheduled: its pages are registered by `cache_full_pages` once computed."""
@@ -189,18 +194,13 @@ class BlockManager:
             return
         # (accepted drafts are computed before the sequence's tokens hold them: their pages wait for the next step)
         full = min(seq.num_computed_tokens, seq.num_tokens) // self.page_size
-        salt = seq.request.prefix_salt
-        for i in range(len(seq.page_hashes), full):
-            prev = seq.page_hashes[-1] if seq.page_hashes else root_hash(salt)
-            tokens = seq.token_ids[i * self.page_size:(i + 1) * self.page_size]
-            images = _page_images(seq, i, self.page_size)
-            h = self._page_hash(prev, tokens, images)
+        for i, h, key in list(self._unhashed_full_pages(seq, full)):
             seq.page_hashes.append(h)
             page = seq.block_table[i]
             if h not in self.page_of_hash and page not in self.hash_of_page:
                 self.page_of_hash[h] = page
                 self.hash_of_page[page] = h
-                self.key_of_page[page] = self._page_key(seq.block_table[i - 1] if i else None, salt, tokens, images)
+                self.key_of_page[page] = key
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keeps only the pages `num_tokens` tokens need (tokens past them were rejected: speculation) and

@@ -145,7 +145,8 @@ class Scheduler:
         if preempted:  # no admissions in a step that had to preempt
             return step
         skipped: list[Sequence] = []
-        ends = {q: q.num_computed_tokens + n for q, n in zip(step.seqs, step.num_new_tokens, strict=True)}
+        ends = {q: q.num_computed_tokens + n for q, n in zip(step.seqs, step.num_new_tokens, strict=True)} \
+            if self.waiting else {}
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self._ready(seq, ends):

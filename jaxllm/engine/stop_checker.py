@@ -7,8 +7,8 @@ from jaxllm.engine.sequence import Sequence
 
 
 def stops_by_id(seq: Sequence, tokens: list[int], eos_token_ids: tuple[int, ...]) -> bool:
-    """Whether one of `tokens` would end `seq` by its id alone (EOS unless ignored, a stop token), once past
-    min_tokens."""
+    """Whether one of `tokens` would end `seq` by its id alone (EOS unless ignored, a stop token), min_tokens
+    aside (a sequence that drafts is past it: `Drafter._may_draft`)."""
     p = seq.params
     return any(t in p.stop_token_ids or (not p.ignore_eos and t in eos_token_ids) for t in tokens)
 
