@@ -122,9 +122,9 @@ def measure(rounds: int, spec: dict) -> tuple[list[dict], Costs, object]:
                 prefill, decode = steps[0], steps[1:]
                 if name == "plain":  # all but the decode loop: the prefill, and the request's own work
                     prompts[i]["fixed"].append(took - (steps[-1]["collected"] - prefill["collected"]))
-                    periods += [b["collected"] - a["collected"] for a, b in zip(decode, decode[1:])]
+                    periods += [b["collected"] - a["collected"] for a, b in zip(decode, decode[1:], strict=False)]
                     continue
-                for before, step in zip(steps, decode):
+                for before, step in zip(steps, decode, strict=False):
                     if step["alone"]:
                         alone.setdefault(step["bucket"], []).append(step["collected"] - step["dispatched"])
                         gaps.append(step["dispatched"] - before["collected"])
@@ -218,8 +218,8 @@ def main() -> None:
     plain = [statistics.median(x["plain"]) for x in prompts]
     measured = [statistics.median(x["ngram"]) for x in prompts]
     fixed = [statistics.median(x["fixed"]) for x in prompts]
-    modelled = {name: [pf + replay(x["prompt"], x["answer_plain"], engine, c)[0] for x, pf in zip(prompts, fixed)]
-                for name, c in scenarios.items()}
+    modelled = {name: [pf + replay(x["prompt"], x["answer_plain"], engine, c)[0]
+                       for x, pf in zip(prompts, fixed, strict=True)] for name, c in scenarios.items()}
     print(f"\n{'prompt':>6s} {'tokens':>6s} {'fixed ms':>10s} {'plain ms':>9s} {'ngram ms':>9s} {'model ms':>9s}"
           f" {'steps':>5s}")
     for i, x in enumerate(prompts):
@@ -230,7 +230,7 @@ def main() -> None:
     print("\ngrounded prompts one at a time, the plain engine's measured time over the ngram engine's:")
     for name, ratio in ratios.items():
         per = plain if name == "measured" else None
-        each = [a / b for a, b in zip(plain, measured if per else modelled[name])]
+        each = [a / b for a, b in zip(plain, measured if per else modelled[name], strict=True)]
         print(f"  {name:38s} {ratio:5.2f}x   per prompt " + " ".join(f"{x:.2f}" for x in each))
     machine.save(args.json, host, rounds=args.rounds, speculative_config=spec,
                  costs_ms={"period": costs.period * 1e3, "gap": costs.gap * 1e3, "readback": costs.readback * 1e3,
@@ -238,7 +238,7 @@ def main() -> None:
                  ratios=ratios, prompts=[{"tokens": len(x["answer_plain"]), "fixed_s": pf, "plain_s": a,
                                           "ngram_s": b, "model_s": m}
                                          for x, pf, a, b, m in zip(prompts, fixed, plain, measured,
-                                                                   modelled["model"])])
+                                                                   modelled["model"], strict=True)])
 
 
 if __name__ == "__main__":

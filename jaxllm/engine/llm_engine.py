@@ -98,6 +98,7 @@ class LLMEngine:
             self.drafter.proposer.warmup()
             self.drafter.calibrate({b.bucket: b.run_s for b in self.startup.buckets}, self.runner.bucket_for,
                                    overlap=self.config.async_scheduling)
+            self.drafter.limit_batches(self.runner, self.config.max_num_seqs)
         if parts.encoder is not None:
             parts.encoder.runner.warmup()
         self.startup.warmup_s = time.perf_counter() - start

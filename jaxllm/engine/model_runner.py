@@ -253,6 +253,26 @@ class ModelRunner:
                 self.builds[bucket].run_s = min(self.builds[bucket].run_s or took, took)
         return [self.builds[b] for b in self.buckets]
 
+    def time_step(self, step: ScheduledStep, runs: int = 3, back_to_back: bool = False) -> float:
+        """Seconds a step of `step`'s shape takes: the fastest of `runs`, each read back before the next is
+        dispatched (a step that waits for the host's work before it), or with `back_to_back` the period of `runs`
+        dispatched one after another before any is read back (decode steps running ahead: async scheduling). The
+        step runs as it is, once more to start: its sequences' host state is left alone, its K/V written to their
+        pages."""
+        bucket = self.bucket_for(step.num_tokens, len(step.seqs))
+        self.collect(self.dispatch(step, bucket))
+        if back_to_back:
+            start = time.perf_counter()
+            for pending in [self.dispatch(step, bucket) for _ in range(runs)]:
+                self.collect(pending)
+            return (time.perf_counter() - start) / runs
+        best = float("inf")
+        for _ in range(runs):
+            start = time.perf_counter()
+            self.collect(self.dispatch(step, bucket))
+            best = min(best, time.perf_counter() - start)
+        return best
+
     def lead(self, leader, watchdog) -> None:
         """Multi-host rank 0: from now on every step's inputs are sent to the follower hosts (`leader`, a
         `multihost.StepLeader`) before it runs, and `watchdog` brackets each step."""

@@ -29,8 +29,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     # No drafts in a step whose running batch holds this many sequences or more (vLLM's disable_by_batch_size):
-    # a batch that large is compute-bound, and each draft costs a full row of the step. None: never.
-    disable_by_batch_size: int | None = None
+    # a batch that large is compute-bound, and each draft costs a full row of the step. None: never (vLLM's
+    # default); "auto" (jaxllm's default): from the step times measured at warm-up (`batch_limit`), never on a
+    # host whose steps barely grow with their rows.
+    disable_by_batch_size: int | str | None = "auto"
     # Which proposed drafts a step verifies (jaxllm's own field): "all", every one (vLLM's behaviour); "step_cost",
     # those that make the most expected tokens a second by the steps' measured times (`draft_budget`: opt-in, as
     # its runs on a 2-core CPU were mixed: docs/performance.md).
@@ -55,9 +57,10 @@ class SpeculativeConfig:
              f"prompt_lookup_min must be an integer >= 1, got {self.prompt_lookup_min!r}"),
             (isinstance(self.prompt_lookup_max, int) and self.prompt_lookup_max >= self.prompt_lookup_min,
              f"prompt_lookup_max must be an integer >= prompt_lookup_min, got {self.prompt_lookup_max!r}"),
-            (self.disable_by_batch_size is None or
-             (isinstance(self.disable_by_batch_size, int) and self.disable_by_batch_size >= 1),
-             f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}"),
+            (self.disable_by_batch_size is None or self.disable_by_batch_size == "auto" or
+             (isinstance(self.disable_by_batch_size, int) and not isinstance(self.disable_by_batch_size, bool)
+              and self.disable_by_batch_size >= 1),
+             f"disable_by_batch_size must be an integer >= 1, \"auto\" or null, got {self.disable_by_batch_size!r}"),
             (self.draft_budget in DRAFT_BUDGETS,
              f"draft_budget must be one of {', '.join(DRAFT_BUDGETS)}, got {self.draft_budget!r}"),
             (self.quantization in QUANTIZATIONS,

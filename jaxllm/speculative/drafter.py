@@ -3,7 +3,8 @@ method (`Drafter.propose`); once the step is scheduled, the method makes them fi
 model computes them there); after the step, the counters and the method learn what the target accepted
 (`Drafter.observe`). With `draft_budget="step_cost"` (opt-in) a step verifies only the drafts that make the most
 expected tokens a second by the steps' measured times (`draft_budget`): on a host whose steps grow with their rows,
-a batch's unlikely drafts cost more than they save.
+a batch's unlikely drafts cost more than they save. Steps of a batch too large to gain from drafts
+(`disable_by_batch_size`, by default read from the target's step times at warm-up: `batch_limit`) run none.
 
 A sequence gets no drafts where the target's samples at later positions would not be those of plain steps: its
 penalties read a history the drafts are not in, a grammar's mask follows each token, and min_tokens' bans end
@@ -11,8 +12,10 @@ with a count. Such a sequence decodes one token a step beside the drafted ones."
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
+from jaxllm.speculative import batch_limit
 from jaxllm.speculative.draft_budget import FRESH_RATE, DraftBudget, KeepRate
 from jaxllm.speculative.methods import ProposerContext, make_proposer
 from jaxllm.speculative.verify import SpecDecodeStats
@@ -22,7 +25,10 @@ from jaxllm.speculative.verify import SpecDecodeStats
 # ends, or an edit in it, fails a guess
 GUESS_AFTER = 2
 
+logger = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
+    from jaxllm.engine.model_runner import ModelRunner
     from jaxllm.engine.scheduler import ScheduledStep
     from jaxllm.engine.sequence import Sequence
     from jaxllm.speculative.config import SpeculativeConfig
@@ -32,7 +38,8 @@ class Drafter:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, context: ProposerContext | None = None):
         """context: what the engine lends the method (a draft model, the cache's geometry, the step shapes)."""
         self.config, self.max_model_len = config, max_model_len
-        self.proposer = make_proposer(config, context or ProposerContext(max_model_len))
+        self.context = context or ProposerContext(max_model_len)
+        self.proposer = make_proposer(config, self.context)
         self.stats = SpecDecodeStats()
         # The most drafts each sequence gets next (by seq_id; k when absent): after a step that kept all of its
         # drafts, k again; after one that kept a of them, 2a (at least 1). A draft costs a row of the step whether
@@ -45,12 +52,28 @@ class Drafter:
         self.keep_rates: dict[int, KeepRate] = {}
         self.pooled = KeepRate()
         self.budget: DraftBudget | None = None
+        # No drafts in a step of this many running sequences or more (None: any): the config's number, or with
+        # "auto" what `limit_batches` reads from the step times (none until then)
+        limit = config.disable_by_batch_size
+        self.batch_limit: int | None = None if limit == "auto" else limit
 
     def calibrate(self, bucket_seconds: dict[tuple[int, int], float], bucket_for, overlap: bool = True) -> None:
         """The target's step times by bucket (timed at warm-up), for `draft_budget="step_cost"`; overlap: the
         engine runs undrafted steps ahead (`DraftBudget`)."""
         if self.config.draft_budget == "step_cost" and bucket_seconds:
             self.budget = DraftBudget(bucket_seconds, bucket_for, overlap)
+
+    def limit_batches(self, runner: ModelRunner, max_num_seqs: int) -> None:
+        """`disable_by_batch_size="auto"`: `batch_limit` from the target's steps, timed now (`batch_limit`)."""
+        if self.config.disable_by_batch_size != "auto":
+            return
+        k, c = self.config.num_speculative_tokens, self.context
+        measured = batch_limit.measure(runner, k, max_num_seqs, self.max_model_len, c.page_size, c.num_pages)
+        self.batch_limit = batch_limit.resolve(k, measured)
+        logger.info("speculation: drafts in steps of %s; plain / drafted step ms by batch size: %s",
+                    "any batch size" if self.batch_limit is None else
+                    f"fewer than {self.batch_limit} sequences (disable_by_batch_size auto)",
+                    ", ".join(f"{s}: {a * 1e3:.1f} / {b * 1e3:.1f}" for s, a, b in measured))
 
     def step_took(self, bucket: tuple[int, int], seconds: float, host_seconds: float, drafted: bool) -> None:
         """A step of `bucket` ran in `seconds` from dispatch to result (none other in flight), and the host worked
@@ -60,7 +83,7 @@ class Drafter:
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets each running sequence's drafts for the next step (none where it does not decode, or may not)."""
-        limit = self.config.disable_by_batch_size
+        limit = self.batch_limit
         off = limit is not None and len(running) >= limit
         self.caps = {seq.seq_id: cap for seq in running if (cap := self.caps.get(seq.seq_id)) is not None}
         self.streaks = {seq.seq_id: n for seq in running if (n := self.streaks.get(seq.seq_id))}
@@ -88,7 +111,7 @@ class Drafter:
         not draft, or did not keep every draft of its last `GUESS_AFTER` drafted steps, or has no guess or no
         room after it; the method cannot guess (it runs a model); the draft budget chooses drafts by timing steps
         one at a time."""
-        limit = self.config.disable_by_batch_size
+        limit = self.batch_limit
         if self.budget is not None or not step.seqs or not all(step.drafts) or \
                 (limit is not None and len(step.seqs) >= limit):
             return None
@@ -113,7 +136,7 @@ class Drafter:
         tokens but the last, would have proposed its last token (so drafts after the next token will likely be
         kept too; a draft model always drafts from the last token). Otherwise running ahead saves more than drafts
         that would mostly be rejected."""
-        limit = self.config.disable_by_batch_size
+        limit = self.batch_limit
         if limit is not None and len(seqs) >= limit:
             return False
         # (the room past the caps: a cap that fell to 1 rises again only through a drafted step that keeps all)

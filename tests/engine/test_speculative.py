@@ -13,7 +13,8 @@ from tests.conftest import ENGINE_OPTIONS
 pytestmark = pytest.mark.slow  # SmolLM2 engines with and without drafts
 
 OPTIONS = {**ENGINE_OPTIONS, "attn_impl": "auto", "quantization": "auto"}  # as smollm2_quantized_llm
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# drafts whatever the batch (the "auto" limit reads this host's step times: tests/speculative/test_batch_limit.py)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": None}
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
         "    return 2 * (width + height)\n")
 GROUNDED = [
@@ -144,7 +145,8 @@ def test_counters_reach_the_engine_stats(spec_llm):
 def test_the_float_model_drafted_by_its_quantized_file_decodes_as_without(compile_cache_dir, smollm2_llm):
     """draft_model as the issue asks it: the embedded SmolLM2 in float32 (its GGUF's weights dequantized) drafted by
     the same file's Q4_1 weights; greedy output token for token the float model's, most drafts kept."""
-    draft = {"method": "draft_model", "quantization": "auto", "num_speculative_tokens": 5}
+    draft = {"method": "draft_model", "quantization": "auto", "num_speculative_tokens": 5,
+             "disable_by_batch_size": None}
     spec = LLM(compilation_cache_dir=compile_cache_dir, speculative_config=draft, **ENGINE_OPTIONS)
     params = SamplingParams(temperature=0, max_tokens=64)
     got = [o.outputs[0].token_ids for o in spec.chat(GROUNDED + OPEN, params, use_tqdm=False)]

@@ -59,7 +59,7 @@ def test_a_draft_model_drafts_in_the_engine_core_process(tiny_folder, tmp_path, 
     from tests.speculative.test_draft_model import one_layer_draft
 
     draft = one_layer_draft(transformers.LlamaForCausalLM.from_pretrained(tiny_folder), tmp_path / "draft")
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None}
     options = {k: v for k, v in DRAFT_OPTIONS.items() if k != "token_buckets"}
     env = {f"JAXLLM_{k.upper()}": str(v) for k, v in options.items()} | {
         "JAXLLM_MODEL": str(tiny_folder), "JAXLLM_SPECULATIVE_CONFIG": json.dumps(spec),

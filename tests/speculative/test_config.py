@@ -25,6 +25,14 @@ def test_a_dict_json_or_config_becomes_one_config():
     assert ServerSettings.from_env(env).engine.speculative_config == want
 
 
+def test_the_batch_limit_is_a_number_none_or_auto():
+    assert SpeculativeConfig("ngram").disable_by_batch_size == "auto"  # jaxllm's default: read from step times
+    for value in (None, 1, 32, "auto"):
+        assert SpeculativeConfig.parse({"method": "ngram", "disable_by_batch_size": value}).disable_by_batch_size \
+            == value
+    assert SpeculativeConfig.parse('{"method": "ngram", "disable_by_batch_size": null}').disable_by_batch_size is None
+
+
 @pytest.mark.parametrize("value, message", [
     ({"method": "medusa"}, "unknown method 'medusa'; methods: draft_model, eagle3, ngram"),
     ({"method": "eagle3"}, "eagle3 needs a model: the head's folder or hub id"),
@@ -34,7 +42,9 @@ def test_a_dict_json_or_config_becomes_one_config():
     ({"method": "ngram", "num_speculative_tokens": "4"}, "num_speculative_tokens must be an integer"),
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max must be an integer >= "),
     ({"method": "ngram", "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
-    ({"method": "ngram", "disable_by_batch_size": 0}, "disable_by_batch_size must be an integer >= 1"),
+    ({"method": "ngram", "disable_by_batch_size": 0}, 'disable_by_batch_size must be an integer >= 1, "auto" or null'),
+    ({"method": "ngram", "disable_by_batch_size": "never"}, "disable_by_batch_size must be an integer >= 1"),
+    ({"method": "ngram", "disable_by_batch_size": True}, "disable_by_batch_size must be an integer >= 1"),
     ({"method": "ngram", "draft": "x"}, "unknown fields ['draft']"),
     ({"method": "ngram", "model": "x"}, "model and revision name a draft model: not used by method 'ngram'"),
     ({"method": "draft_model", "quantization": "q3"}, "quantization must be one of"),

@@ -43,7 +43,8 @@ def contingency(want: collections.Counter, got: collections.Counter) -> tuple[in
 def test_first_tokens_are_distributed_as_without_speculation(tiny_folder, compile_cache_dir):
     plain = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
     spec = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+               speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2,
+                                   "disable_by_batch_size": None})
     want = joint(plain, range(SAMPLES))
     got = joint(spec, range(SAMPLES, 2 * SAMPLES))
     stats = spec.spec_decode_stats
@@ -58,7 +59,8 @@ def test_a_draft_models_tokens_are_distributed_as_without_speculation(tiny_folde
     options = dict(OPTIONS, token_buckets=(64, 256))
     plain = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **options)
     spec = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **options,
-               speculative_config={"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 2})
+               speculative_config={"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 2,
+                                   "disable_by_batch_size": None})
 
     def sample(llm, seeds):
         params = [SamplingParams(temperature=1.0, top_k=2, seed=s, max_tokens=3, ignore_eos=True) for s in seeds]

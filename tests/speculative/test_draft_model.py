@@ -44,7 +44,7 @@ def folders(tiny_folder, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(folders, compile_cache_dir):
     target, draft = folders
-    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3, "disable_by_batch_size": None}
     return (LLM(str(target), compilation_cache_dir=compile_cache_dir, speculative_config=spec, **OPTIONS),
             LLM(str(target), compilation_cache_dir=compile_cache_dir, **OPTIONS))
 
@@ -69,7 +69,8 @@ def test_no_compiles_after_warmup_and_every_page_free_after_aborts(engines):
 def test_preempted_drafting_sequences_end_as_plain_ones(folders, engines, compile_cache_dir):
     target, draft = folders
     small = LLM(str(target), compilation_cache_dir=compile_cache_dir, **{**OPTIONS, "num_pages": 24},
-                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+                speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                                   "disable_by_batch_size": None})
     params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     prompts = [{"prompt_token_ids": list(range(9 + i, 49 + i))} for i in range(4)]
     got = [o.outputs[0].token_ids for o in small.generate(prompts, params, use_tqdm=False)]
@@ -87,7 +88,8 @@ def test_a_draft_split_over_two_devices_with_its_target(tiny_model_dir, tmp_path
     draft = one_layer_draft(hf_model, tmp_path / "draft")
     options = dict(OPTIONS, compilation_cache_dir=compile_cache_dir)
     spec = LLM(str(target), tensor_parallel_size=2, **options,
-               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3})
+               speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3,
+                                   "disable_by_batch_size": None})
     plain = LLM(str(target), **options)
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in spec.generate(PROMPTS, params, use_tqdm=False)]

@@ -28,7 +28,7 @@ PAIR_BIAS = {PAIR[0]: 8.0, PAIR[1]: 8.0}
 
 
 def _spec(head, k=3):
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
