@@ -93,7 +93,8 @@ def run_round(engines: dict, r: int) -> dict[str, dict]:
             result[name] |= {"acceptance_rate": stats.acceptance_rate,
                              "mean_acceptance_length": stats.mean_acceptance_length,
                              "guessed_steps": stats.num_guessed_steps,
-                             "guessed_steps_held": stats.num_guessed_steps_held}
+                             "guessed_steps_held": stats.num_guessed_steps_held,
+                             "batch_limit": llm.engine.drafter.batch_limit}
     return result
 
 
@@ -134,8 +135,9 @@ def main() -> None:
     ratios = paired("ngram")
     more = {name: paired(name) for name in list(engines)[2:]}
     host = machine.describe()
-    print(f"\nmedians over {args.rounds} rounds (ratios: medians of the rounds' ratios); ngram: {spec}\n"
-          f"{machine.line(host)}")
+    limits = {name: rs[0]["batch_limit"] for name, rs in runs.items() if "batch_limit" in rs[0]}
+    print(f"\nmedians over {args.rounds} rounds (ratios: medians of the rounds' ratios); ngram: {spec}; no drafts "
+          f"from batches of (disable_by_batch_size, as resolved): {limits}\n{machine.line(host)}")
     print(f"{'':10s} {'grounded tok/s':>15s} {'open tok/s':>11s} {f'{CONCURRENT} grounded tok/s':>19s}")
     for name, m in summary.items():
         print(f"{name:10s} {m['grounded_tok_s']:15.1f} {m['open_tok_s']:11.1f} {m['concurrent_tok_s']:19.1f}")
