@@ -55,8 +55,11 @@ def probe_step(num_seqs: int, drafts: int, context: int, page_size: int, num_pag
 def measure(runner: ModelRunner, k: int, max_num_seqs: int, max_model_len: int, page_size: int,
             num_pages: int) -> list[tuple[int, float, float]]:
     """(S, seconds of a plain step of S sequences back to back, of their fully drafted step) for S = 1, 2, 4, ...
-    up to min(max_num_seqs, MAX_PROBED_SEQS) while a bucket holds the drafted step."""
-    context = max(1, min(CONTEXT, max_model_len - k - 1))
+    up to min(max_num_seqs, MAX_PROBED_SEQS) while a bucket holds the drafted step; none where the cache cannot
+    hold one probe sequence (its pages are the cache's first ones)."""
+    context = min(CONTEXT, max_model_len - k - 1, num_pages * page_size - k)
+    if context < 2:
+        return []
     out = []
     seqs = 1
     while seqs <= min(max_num_seqs, MAX_PROBED_SEQS):

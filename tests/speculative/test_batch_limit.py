@@ -59,6 +59,14 @@ def test_probes_stop_where_no_bucket_holds_the_drafted_step_and_at_the_batch_cap
     assert drafted.drafts == [[0]] * 16 and {len(s.token_ids) for s in drafted.seqs} == {batch_limit.CONTEXT}
 
 
+def test_probes_fit_the_cache_or_do_not_run():
+    clock = RowClock(4.0, 1.0)
+    measured = batch_limit.measure(clock, 3, 16, 512, 16, 10)  # 160 slots: a context of 157 tokens
+    assert measured and {len(s.token_ids) for step, _ in clock.timed for s in step.seqs} == {157}
+    assert max(p for step, _ in clock.timed for s in step.seqs for p in s.block_table) < 10
+    assert batch_limit.measure(RowClock(4.0, 1.0), 3, 16, 512, 1, 4) == []  # 4 slots: no probe fits
+
+
 @pytest.mark.parametrize("num_pages", [4096, 20])
 def test_probe_sequences_have_their_own_pages_where_the_cache_holds_them(num_pages):
     step = batch_limit.probe_step(4, 3, 100, 16, num_pages)  # 7 pages a sequence
