@@ -277,8 +277,6 @@ class LLMEngine:
         M-RoPE positions are known ahead.)"""
         if not self.config.async_scheduling or self._leader is not None:
             return False
-        if self.drafter is not None and self.drafter.worth_waiting(step.seqs):
-            return False
         going_on = False
         for seq, n in zip(step.seqs, step.num_new_tokens, strict=True):
             p = seq.params
@@ -288,7 +286,8 @@ class LLMEngine:
                 return False
             going_on |= (p.max_tokens is None or seq.num_output_tokens + 1 < p.max_tokens) and \
                 seq.num_tokens + 1 < self.max_model_len
-        return going_on
+        # last: the drafter's lookups only for a step that could run ahead (never a drafted one)
+        return going_on and not (self.drafter is not None and self.drafter.worth_waiting(step.seqs))
 
     def _guess_ahead(self, step) -> None:
         """Dispatches the drafted step that follows `step` (drafted, in flight) on the guess that it keeps every

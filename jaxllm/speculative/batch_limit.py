@@ -2,13 +2,13 @@
 read from the target's own steps at warm-up.
 
 A draft costs a row of the step whether the target keeps it or not. Where a step's time barely grows with its rows
-(a device bound by reading the weights: a GPU's small batches), drafting every sequence costs little more than the
-plain step, and pays whatever the batch. Where it grows about linearly past a few rows (a CPU, or any host once its
-batch is compute-bound), a batch of S sequences that each draft k tokens runs S (1 + k) rows: that step pays only
-when its sequences keep enough drafts to make up for the extra rows. "auto" turns drafts off from the smallest
-batch (S = 1, 2, 4, ... up to `MAX_PROBED_SEQS`) whose fully drafted step costs more than (1 + k) / 2 of its plain
-steps: from there on, drafting would lose unless the batch kept more than about half of its drafts. No such batch
-(or no bucket holding its drafted step): never, vLLM's default (None).
+(a device bound by reading the weights: a GPU's small batches, inferred; not run on one yet), drafting every
+sequence costs little more than the plain step, and pays whatever the batch. Where it grows about linearly past a
+few rows (a CPU, or any host once its batch is compute-bound), a batch of S sequences that each draft k tokens runs
+S (1 + k) rows: that step pays only when its sequences keep enough drafts to make up for the extra rows. "auto"
+turns drafts off from the smallest batch (S = 1, 2, 4, ... up to `MAX_PROBED_SEQS`) whose fully drafted step costs
+more than (1 + k) / 2 of its plain steps: from there on, drafting would lose unless the batch kept more than about
+half of its drafts. No such batch (or no bucket holding its drafted step): never, vLLM's default (None).
 
 Each batch size is probed with real steps of that many sequences decoding at `CONTEXT` tokens, so the attention
 and the LM head's rows, which grow with a drafted step's rows, are counted: the plain step timed back to back (as

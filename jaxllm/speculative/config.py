@@ -30,8 +30,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     # No drafts in a step whose running batch holds this many sequences or more (vLLM's disable_by_batch_size):
     # a batch that large is compute-bound, and each draft costs a full row of the step. None: never (vLLM's
-    # default); "auto" (jaxllm's default): from the step times measured at warm-up (`batch_limit`), never on a
-    # host whose steps barely grow with their rows.
+    # default); "auto" (jaxllm's default): from the step times measured at warm-up (`batch_limit`), never (by the
+    # rule) on a host whose steps barely grow with their rows.
     disable_by_batch_size: int | str | None = "auto"
     # Which proposed drafts a step verifies (jaxllm's own field): "all", every one (vLLM's behaviour); "step_cost",
     # those that make the most expected tokens a second by the steps' measured times (`draft_budget`: opt-in, as

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from jaxllm.speculative.config import SpeculativeConfig
 
 
+_EMPTY = (np.empty(0, np.int32), 0)  # a sequence not seen yet: no buffer, no tokens
+
+
 class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, context: ProposerContext | None = None):
         self.k = config.num_speculative_tokens
@@ -47,14 +50,10 @@ class NgramProposer(Proposer):
 
     def _tokens(self, seq: Sequence) -> np.ndarray:
         ids = seq.token_ids
-        buffer, filled = self._arrays.get(seq.seq_id, (np.empty(0, np.int32), 0))
-        if filled > len(ids):  # never (tokens are only appended): start over
-            filled = 0
-        if len(ids) > buffer.size:
-            grown = np.empty(max(2 * buffer.size, len(ids) + 64), np.int32)
-            grown[:filled] = buffer[:filled]
-            buffer = grown
+        buffer, filled = self._arrays.get(seq.seq_id, _EMPTY)
         if filled < len(ids):
+            if len(ids) > buffer.size:
+                buffer = np.concatenate((buffer[:filled], np.empty(max(buffer.size, len(ids) + 64 - filled), np.int32)))
             buffer[filled:len(ids)] = ids[filled:]
             self._arrays[seq.seq_id] = buffer, len(ids)
         return buffer[:len(ids)]

@@ -1,6 +1,8 @@
 """`disable_by_batch_size="auto"`: the smallest batch whose fully drafted step costs more than (1 + k) / 2 of its
 plain steps, read from the target's steps at warm-up; never where steps barely grow with their rows."""
 
+import logging
+
 import pytest
 
 from jaxllm import LLM, SamplingParams
@@ -93,9 +95,14 @@ def test_the_drafter_times_steps_only_for_auto():
         assert fixed.batch_limit == value and len(clock.timed) == 10  # nothing timed
 
 
-def test_an_engine_reads_its_limit_from_its_own_steps_and_serves_the_same_tokens(tiny_folder, compile_cache_dir):
-    spec = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+def test_an_engine_reads_its_limit_from_its_own_steps_and_serves_the_same_tokens(tiny_folder, compile_cache_dir,
+                                                                                 caplog):
+    with caplog.at_level(logging.INFO, logger="jaxllm.speculative.drafter"):
+        spec = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    # the probes ran: their times, S = 1 first (max_num_seqs 16, buckets up to 64 tokens: S = 1..16)
+    probed = [r.getMessage() for r in caplog.records if "plain / drafted step ms by batch size: 1: " in r.getMessage()]
+    assert len(probed) == 1 and "16: " in probed[0]
     plain = LLM(str(tiny_folder), compilation_cache_dir=compile_cache_dir, **OPTIONS)
     limit_ = spec.engine.drafter.batch_limit
     assert limit_ is None or 1 <= limit_ <= batch_limit.MAX_PROBED_SEQS
